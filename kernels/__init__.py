@@ -1,0 +1,1 @@
+"""Compute kernels, one subpackage per backend. Installed as `minillm.kernels`."""

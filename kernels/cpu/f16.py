@@ -1,0 +1,25 @@
+"""Float16 rounding for Numba CPU code (which has no float16 scalars).
+
+f16_round(x) returns the float32 value of float16(x), round to nearest (Veltkamp
+splitting for normal numbers, fixed-point rounding for subnormals). Used where llama.cpp
+stores or computes in F16: the KV cache, Q in flash attention, the GELU table.
+Must not be compiled with fastmath (it relies on exact float operations).
+"""
+import numba as nb
+import numpy as np
+
+_F16_MAX = np.float32(65504.0)
+_SUBNORMAL_LIMIT = np.float32(2.0 ** -14)
+_SUBNORMAL_STEP = np.float32(2.0 ** -24)
+_SPLIT = np.float32(8193.0)  # 2^(24-11) + 1: keeps 11 significant bits
+
+
+@nb.njit(inline="always", cache=True)
+def f16_round(x):
+    ax = abs(x)
+    if ax < _SUBNORMAL_LIMIT:
+        return np.float32(np.rint(x / _SUBNORMAL_STEP)) * _SUBNORMAL_STEP
+    if ax >= np.float32(65520.0):
+        return np.float32(np.inf) if x > 0 else np.float32(-np.inf)
+    c = _SPLIT * x
+    return c - (c - x)

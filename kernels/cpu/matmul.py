@@ -1,0 +1,139 @@
+"""Quantized matrix products with activations quantized at run time, as llama.cpp does.
+
+Weights use the uniform layout of minillm.formats, repacked once at load into tiles of
+R = 32 rows ("rows as lanes"), so that the innermost loop runs over 32 rows at once:
+
+    data  int8    (NT, K/2, 2R)  data[t, k2, 2r + e] = q[t*R + r, 2*k2 + e]
+    scale float32 (NT, K/G, R)   scale of group g of row t*R + r
+    bias  float32 (NT, K/G, R)   or (NT, 0, R) for formats without a min
+
+Activations x (T, K) are quantized per llama.cpp's pairing (Q8_0, Q8_1 or Q8_K) into
+    xq int8 (T, K); d16/s16 (T, K/16) and d32/s32 (T, K/32): the activation scale of each
+    group's block and d * sum(q) over the group
+and out[t, n] = sum_g scale[n, g] * d[t, g] * isum(n, t, g) (+ bias[n, g] * s[t, g]),
+the integer sum of a group staying in int32 as in ggml's vec_dot kernels.
+"""
+import numba as nb
+import numpy as np
+
+from .f16 import f16_round
+
+R = 32  # rows per tile
+KIND_Q8_0, KIND_Q8_1, KIND_Q8_K = 0, 1, 2
+KIND_IDS = {"q8_0": KIND_Q8_0, "q8_1": KIND_Q8_1, "q8_k": KIND_Q8_K}
+
+_PAR = dict(parallel=True, cache=True, nogil=True, fastmath=True)
+
+
+@nb.njit(cache=True, nogil=True)
+def _quantize_row_q8_32(x, q, d32, s32, round_sum):
+    # llama.cpp quantize_row_q8_0/_q8_1 (x86): d = amax/127 stored as f16, q = rint(x * 127/amax)
+    for b in range(x.shape[0] // 32):
+        amax = np.float32(0.0)
+        for j in range(32):
+            amax = max(amax, abs(x[b * 32 + j]))
+        d = amax / np.float32(127.0)
+        inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
+        total = 0
+        for j in range(32):
+            v = np.int32(np.rint(x[b * 32 + j] * inv))
+            q[b * 32 + j] = v
+            total += v
+        d32[b] = f16_round(d)
+        s32[b] = f16_round(d * np.float32(total)) if round_sum else d32[b] * np.float32(total)
+
+
+@nb.njit(cache=True, nogil=True)
+def _quantize_row_q8_k(x, q, d32, s32):
+    # llama.cpp quantize_row_q8_K_ref: iscale = -127/max (max signed), d = 1/iscale in f32
+    for b in range(x.shape[0] // 256):
+        amax = np.float32(0.0)
+        vmax = np.float32(0.0)
+        for j in range(256):
+            ax = abs(x[b * 256 + j])
+            if ax > amax:
+                amax = ax
+                vmax = x[b * 256 + j]
+        iscale = np.float32(-127.0) / vmax if amax != 0 else np.float32(0.0)
+        d = np.float32(1.0) / iscale if amax != 0 else np.float32(0.0)
+        for g in range(8):
+            total = 0
+            for j in range(32):
+                v = min(127, np.int32(np.rint(iscale * x[b * 256 + g * 32 + j])))
+                q[b * 256 + g * 32 + j] = v
+                total += v
+            d32[b * 8 + g] = d
+            s32[b * 8 + g] = d * np.float32(total)
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def quantize_act(x, kind, xq, d16, s16, d32, s32):
+    """x (T, K) float32 -> xq (T, K) int8 and per-group scales/sums (see module doc)."""
+    T, K = x.shape
+    for t in nb.prange(T):
+        if kind == KIND_Q8_K:
+            _quantize_row_q8_k(x[t], xq[t], d32[t], s32[t])
+        else:
+            _quantize_row_q8_32(x[t], xq[t], d32[t], s32[t], kind == KIND_Q8_1)
+        for g in range(K // 16):
+            total = np.int32(0)
+            for j in range(16):
+                total += np.int32(xq[t, g * 16 + j])
+            d16[t, g] = d32[t, g // 2]
+            s16[t, g] = d16[t, g] * np.float32(total)
+
+
+@nb.njit(**_PAR)
+def qmatmul_tiles(data, scale, bias, G, xq, xd, xs, out):
+    """out (T, N) = x @ W.T for W in tiles; xd/xs (T, K/G) for W's group size G."""
+    NT, K2, R2 = data.shape
+    T = xq.shape[0]
+    N = out.shape[1]
+    has_bias = bias.shape[1] > 0
+    G2 = G // 2
+    ng = K2 // G2
+    for nt in nb.prange(NT):
+        tile = data[nt]
+        facc = np.empty(R, np.float32)
+        iacc = np.empty(R, np.int32)
+        for t in range(T):
+            x = xq[t]
+            facc[:] = 0
+            for g in range(ng):
+                iacc[:] = 0
+                for j in range(G2):
+                    k2 = g * G2 + j
+                    x0 = np.int16(x[2 * k2])
+                    x1 = np.int16(x[2 * k2 + 1])
+                    wk = tile[k2]
+                    for r in range(R):
+                        iacc[r] = np.int32(iacc[r] + np.int32(np.int16(wk[2 * r]) * x0)
+                                           + np.int32(np.int16(wk[2 * r + 1]) * x1))
+                sd = xd[t, g]
+                sc = scale[nt, g]
+                if has_bias:
+                    ss = xs[t, g]
+                    bs = bias[nt, g]
+                    for r in range(R):
+                        facc[r] += sc[r] * sd * np.float32(iacc[r]) + bs[r] * ss
+                else:
+                    for r in range(R):
+                        facc[r] += sc[r] * sd * np.float32(iacc[r])
+            n0 = nt * R
+            for r in range(min(R, N - n0)):
+                out[t, n0 + r] = facc[r]
+
+
+def repack(q: np.ndarray, scale: np.ndarray, bias: np.ndarray):
+    """Uniform layout (N, K) -> tiles of R rows (rows padded with zeros to a multiple of R)."""
+    N, K = q.shape
+    NT = (N + R - 1) // R
+    pad = NT * R - N
+    if pad:
+        q = np.concatenate([q, np.zeros((pad, K), np.int8)])
+        scale = np.concatenate([scale, np.zeros((pad, scale.shape[1]), np.float32)])
+        bias = np.concatenate([bias, np.zeros((pad, bias.shape[1]), np.float32)])
+    data = np.ascontiguousarray(q.reshape(NT, R, K // 2, 2).transpose(0, 2, 1, 3)).reshape(NT, K // 2, 2 * R)
+    scale_t = np.ascontiguousarray(scale.reshape(NT, R, -1).transpose(0, 2, 1))
+    bias_t = np.ascontiguousarray(bias.reshape(NT, R, -1).transpose(0, 2, 1))
+    return data, scale_t, bias_t

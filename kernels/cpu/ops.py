@@ -1,0 +1,170 @@
+"""Element-wise and attention kernels, written to reproduce ggml's CPU arithmetic.
+
+Shapes: T tokens in the batch, E embedding width, H query heads, Hkv key/value heads,
+D head dimension, S cache slots.
+"""
+import math
+
+import numba as nb
+import numpy as np
+
+from .f16 import f16_round
+
+_PAR = dict(parallel=True, cache=True, nogil=True)
+_SER = dict(cache=True, nogil=True)
+
+GELU_COEF_A = np.float32(0.044715)
+SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)
+
+
+@nb.njit(**_PAR)
+def rmsnorm(x, weight, eps, out):
+    """out (T, W) = x / rms(x) * weight over the last axis; x may be (T, W) or (T*heads, W).
+
+    As ggml_rms_norm: the sum of squares in float64, scale = 1/sqrtf(mean + eps) in float32.
+    """
+    n, w = x.shape
+    for i in nb.prange(n):
+        total = 0.0
+        for j in range(w):
+            v = x[i, j]
+            total += np.float64(v * v)
+        mean = np.float32(total / w)
+        scale = np.float32(1.0) / np.float32(math.sqrt(mean + eps))
+        for j in range(w):
+            out[i, j] = (x[i, j] * scale) * weight[j]
+
+
+@nb.njit(**_SER)
+def rope_angles(positions, n_dims, freq_base, freq_scale, cos_out, sin_out):
+    """cos/sin (T, n_dims/2) as ggml_rope_cache_init: theta multiplied by theta_scale per pair in f32."""
+    theta_scale = np.float32(np.float32(freq_base) ** np.float32(-2.0 / n_dims))
+    for t in range(positions.shape[0]):
+        theta = np.float32(positions[t])
+        for i in range(n_dims // 2):
+            angle = np.float32(freq_scale) * theta
+            cos_out[t, i] = np.float32(math.cos(angle))
+            sin_out[t, i] = np.float32(math.sin(angle))
+            theta = np.float32(theta * theta_scale)
+
+
+@nb.njit(**_SER)
+def rope(x, n_heads, head_dim, n_dims, cos_t, sin_t, neox):
+    """Rotate x (T, n_heads*head_dim) in place; neox pairs (i, i+n_dims/2), else (2i, 2i+1)."""
+    T = x.shape[0]
+    half = n_dims // 2
+    for t in range(T):
+        for h in range(n_heads):
+            base = h * head_dim
+            for i in range(half):
+                if neox:
+                    a, b = base + i, base + i + half
+                else:
+                    a, b = base + 2 * i, base + 2 * i + 1
+                c, s = cos_t[t, i], sin_t[t, i]
+                x0, x1 = x[t, a], x[t, b]
+                x[t, a] = x0 * c - x1 * s
+                x[t, b] = x0 * s + x1 * c
+
+
+@nb.njit(**_PAR)
+def swiglu(gate, up, out):
+    """out = silu(gate) * up (ggml_swiglu)."""
+    T, F = gate.shape
+    for t in nb.prange(T):
+        for j in range(F):
+            g = gate[t, j]
+            out[t, j] = (g / (np.float32(1.0) + np.float32(math.exp(-g)))) * up[t, j]
+
+
+@nb.njit(inline="always", cache=True)
+def gelu_f32(x):
+    return np.float32(0.5) * x * (np.float32(1.0) + np.float32(
+        math.tanh(SQRT_2_OVER_PI * x * (np.float32(1.0) + GELU_COEF_A * x * x))))
+
+
+@nb.njit(**_PAR)
+def geglu(gate, up, out):
+    """out = gelu(gate) * up as ggml_geglu with GGML_GELU_FP16: gelu read from an f16 table."""
+    T, F = gate.shape
+    for t in nb.prange(T):
+        for j in range(F):
+            g = gate[t, j]
+            if g <= np.float32(-10.0):
+                out[t, j] = 0.0
+            elif g >= np.float32(10.0):
+                out[t, j] = g * up[t, j]
+            else:
+                out[t, j] = f16_round(gelu_f32(f16_round(g))) * up[t, j]
+
+
+@nb.njit(**_SER)
+def store_kv(k, v, slots, n_kv_heads, head_dim, kcache, vcache):
+    """Write k, v (T, Hkv*D) into cache rows `slots`, rounded to f16 as llama.cpp's F16 cache."""
+    for t in range(k.shape[0]):
+        s = slots[t]
+        for h in range(n_kv_heads):
+            for d in range(head_dim):
+                kcache[s, h, d] = f16_round(k[t, h * head_dim + d])
+                vcache[s, h, d] = f16_round(v[t, h * head_dim + d])
+
+
+@nb.njit(cache=True, nogil=True, fastmath=True)
+def _dot(a, b):
+    total = np.float32(0.0)
+    for i in range(a.shape[0]):
+        total += a[i] * b[i]
+    return total
+
+
+@nb.njit(**_PAR)
+def attention(q, q_pos, kcache, vcache, kv_pos, n_used, window, scale, n_heads, out):
+    """Causal (optionally sliding-window) attention as ggml's CPU flash_attn_ext with F16 K/V.
+
+    q (T, H*D) float32; kcache/vcache (S, Hkv, D) holding f16-rounded values; kv_pos (S,)
+    the logical position in each slot (-1: empty); window 0 means unlimited, else a key at
+    position p is visible from query position i when 0 <= i - p < window.
+    Q is rounded to f16, scores in f32, online softmax in f32, the V sum kept in f16.
+    """
+    T = q.shape[0]
+    n_kv_heads, D = kcache.shape[1], kcache.shape[2]
+    group = n_heads // n_kv_heads
+    for job in nb.prange(T * n_heads):
+        t, h = job // n_heads, job % n_heads
+        kvh = h // group
+        qv = np.empty(D, np.float32)
+        acc = np.zeros(D, np.float32)
+        for d in range(D):
+            qv[d] = f16_round(q[t, h * D + d])
+        pos = q_pos[t]
+        m = -np.inf
+        s_sum = np.float32(0.0)
+        for slot in range(n_used):
+            p = kv_pos[slot]
+            if p < 0 or p > pos or (window > 0 and pos - p >= window):
+                continue
+            score = _dot(qv, kcache[slot, kvh]) * scale
+            vrow = vcache[slot, kvh]
+            if score > m:
+                ms = np.float32(math.exp(m - score)) if m > -np.inf else np.float32(0.0)
+                m = score
+                for d in range(D):
+                    acc[d] = f16_round(f16_round(acc[d] * ms) + vrow[d])
+                s_sum = s_sum * ms + np.float32(1.0)
+            else:
+                vs = np.float32(math.exp(score - m))
+                for d in range(D):
+                    acc[d] = f16_round(acc[d] + vrow[d] * vs)
+                s_sum = s_sum + vs
+        inv = np.float32(1.0) / s_sum if s_sum > 0 else np.float32(0.0)
+        for d in range(D):
+            out[t, h * D + d] = acc[d] * inv
+
+
+@nb.njit(**_PAR)
+def add_inplace(x, y):
+    """x += y."""
+    T, E = x.shape
+    for t in nb.prange(T):
+        for j in range(E):
+            x[t, j] += y[t, j]

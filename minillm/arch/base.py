@@ -1,0 +1,206 @@
+"""What every decoder-only architecture shares: metadata checks, weights, the forward loop."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ModelError
+from ..gguf_file import GGUFFile
+from ..kernels.cpu import ops
+from ..kernels.cpu.unpack import dequantize
+from ..weights import Activations, make_matrix, matmul
+
+MAX_LAYERS = 512
+MAX_WIDTH = 1 << 16
+MAX_HEADS = 1024
+
+
+@dataclass
+class HParams:
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_ctx_train: int
+    rms_eps: float
+    rope_base: float
+    rope_dims: int
+
+
+class Metadata:
+    """Typed, bounded access to an architecture's metadata keys."""
+
+    def __init__(self, gguf: GGUFFile, arch: str):
+        self.gguf, self.arch = gguf, arch
+
+    def _get(self, key: str, default):
+        full = f"{self.arch}.{key}"
+        value = self.gguf.metadata.get(full, default)
+        if value is None:
+            raise ModelError(f"missing metadata key '{full}'")
+        return full, value
+
+    def int(self, key: str, lo: int, hi: int, default=None) -> int:
+        full, value = self._get(key, default)
+        if isinstance(value, np.ndarray):  # per-layer arrays: all layers must agree here
+            if value.size == 0 or not np.all(value == value.flat[0]):
+                raise ModelError(f"'{full}' varies per layer, which is not supported")
+            value = value.flat[0].item()
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ModelError(f"metadata '{full}' = {value!r} is out of range [{lo}, {hi}]")
+        return int(value)
+
+    def float(self, key: str, lo: float, hi: float, default=None) -> float:
+        full, value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+            raise ModelError(f"metadata '{full}' = {value!r} is out of range [{lo}, {hi}]")
+        return float(value)
+
+
+class Transformer:
+    """A decoder-only transformer; subclasses define the hyper-parameters and one layer."""
+
+    name = ""
+    rope_neox = False
+
+    def __init__(self, gguf: GGUFFile):
+        self.gguf = gguf
+        self.meta = Metadata(gguf, self.name)
+        self.hp = self.read_hparams()
+        self.check_tensors()
+
+    # -- hyper-parameters and tensors ------------------------------------------------
+    def read_hparams(self) -> HParams:
+        m = self.meta
+        n_embd = m.int("embedding_length", 1, MAX_WIDTH)
+        n_head = m.int("attention.head_count", 1, MAX_HEADS)
+        n_head_kv = m.int("attention.head_count_kv", 1, n_head, default=n_head)
+        if n_head % n_head_kv:
+            raise ModelError(f"head count {n_head} is not a multiple of the key/value head count {n_head_kv}")
+        head_dim = m.int("attention.key_length", 1, MAX_WIDTH, default=n_embd // n_head)
+        if m.int("attention.value_length", 1, MAX_WIDTH, default=head_dim) != head_dim:
+            raise ModelError("key and value head sizes differ, which is not supported")
+        emb = self.gguf.tensors.get("token_embd.weight")
+        if emb is None or len(emb.shape) != 2:
+            raise ModelError("missing tensor 'token_embd.weight' (or it is not a matrix)")
+        return HParams(
+            n_vocab=emb.shape[1],
+            n_embd=n_embd,
+            n_layer=m.int("block_count", 1, MAX_LAYERS),
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            head_dim=head_dim,
+            n_ff=m.int("feed_forward_length", 1, 1 << 20),
+            n_ctx_train=m.int("context_length", 1, 1 << 24),
+            rms_eps=m.float("attention.layer_norm_rms_epsilon", 0.0, 1.0),
+            rope_base=m.float("rope.freq_base", 1e-3, 1e12, default=10000.0),
+            rope_dims=m.int("rope.dimension_count", 2, head_dim, default=head_dim),
+        )
+
+    def layer_tensors(self, il: int) -> dict[str, tuple[int, ...]]:
+        """Tensor name suffix -> expected GGUF shape for layer il."""
+        hp = self.hp
+        E, F, q_dim, kv_dim = hp.n_embd, hp.n_ff, hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+        return {
+            "attn_norm": (E,), "attn_q": (E, q_dim), "attn_k": (E, kv_dim), "attn_v": (E, kv_dim),
+            "attn_output": (q_dim, E), "ffn_norm": (E,), "ffn_gate": (E, F), "ffn_up": (E, F),
+            "ffn_down": (F, E),
+        }
+
+    def check_tensors(self) -> None:
+        hp = self.hp
+        expected = {"token_embd.weight": (hp.n_embd, hp.n_vocab), "output_norm.weight": (hp.n_embd,)}
+        if "output.weight" in self.gguf.tensors:
+            expected["output.weight"] = (hp.n_embd, hp.n_vocab)
+        for il in range(hp.n_layer):
+            for suffix, shape in self.layer_tensors(il).items():
+                expected[f"blk.{il}.{suffix}.weight"] = shape
+        for name, shape in expected.items():
+            info = self.gguf.tensors.get(name)
+            if info is None:
+                raise ModelError(f"missing tensor '{name}' (the metadata says {hp.n_layer} layers)")
+            if info.shape != shape:
+                raise ModelError(f"tensor '{name}' has shape {list(info.shape)}, "
+                                 f"but the metadata implies {list(shape)}")
+            if len(shape) == 2 and info.format.quantized and shape[0] % 32:
+                raise ModelError(f"tensor '{name}': row length {shape[0]} is not a multiple of 32")
+            if len(shape) == 1 and info.format.name != "F32":
+                raise ModelError(f"tensor '{name}' must be F32, not {info.format.name}")
+
+    # -- weights ---------------------------------------------------------------------
+    def vector(self, name: str) -> np.ndarray:
+        return self.gguf.raw(name).view(np.float32).reshape(-1)
+
+    def matrix(self, name: str):
+        info = self.gguf.tensors[name]
+        return make_matrix(name, info.format, self.gguf.raw(name), info.shape[1], info.shape[0])
+
+    def load_weights(self, progress=None) -> None:
+        hp = self.hp
+        self.output_norm = self.vector("output_norm.weight")
+        name = "output.weight" if "output.weight" in self.gguf.tensors else "token_embd.weight"
+        self.output = self.matrix(name)
+        self.layers = []
+        for il in range(hp.n_layer):
+            layer = {}
+            for suffix, shape in self.layer_tensors(il).items():
+                full = f"blk.{il}.{suffix}.weight"
+                layer[suffix] = self.vector(full) if len(shape) == 1 else self.matrix(full)
+            self.layers.append(layer)
+            if progress:
+                progress(il + 1, hp.n_layer)
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """(T, E) float32 rows of token_embd, dequantized exactly as ggml_get_rows."""
+        info = self.gguf.tensors["token_embd.weight"]
+        raw = self.gguf.raw("token_embd.weight")
+        return dequantize(info.format, np.ascontiguousarray(raw[ids]), info.shape[0]).copy()
+
+    # -- forward ---------------------------------------------------------------------
+    def forward(self, ids: np.ndarray, cache, logits_from: int) -> np.ndarray:
+        """Evaluate ids at the cache's next positions; logits (T - logits_from, V)."""
+        positions, slots = cache.reserve(len(ids))
+        x = self.embed(ids)
+        for il, layer in enumerate(self.layers):
+            x = self.layer_forward(il, layer, x, positions, slots, cache)
+        cache.commit(len(ids))
+        x = x[logits_from:]
+        if x.shape[0] == 0:
+            return np.empty((0, self.hp.n_vocab), np.float32)
+        xn = np.empty_like(x)
+        ops.rmsnorm(x, self.output_norm, np.float32(self.hp.rms_eps), xn)
+        return self.finish_logits(matmul(self.output, Activations(xn)))
+
+    def finish_logits(self, logits: np.ndarray) -> np.ndarray:
+        return logits
+
+    def layer_forward(self, il, layer, x, positions, slots, cache):
+        raise NotImplementedError
+
+    # helpers for layers
+    def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        out = np.empty_like(x)
+        ops.rmsnorm(x, weight, np.float32(self.hp.rms_eps), out)
+        return out
+
+    def rope(self, x: np.ndarray, n_heads: int, positions: np.ndarray, base: float, scale: float = 1.0):
+        hp = self.hp
+        half = hp.rope_dims // 2
+        cos_t = np.empty((len(positions), half), np.float32)
+        sin_t = np.empty((len(positions), half), np.float32)
+        ops.rope_angles(positions, hp.rope_dims, np.float32(base), np.float32(scale), cos_t, sin_t)
+        ops.rope(x, n_heads, hp.head_dim, hp.rope_dims, cos_t, sin_t, self.rope_neox)
+
+    def attend(self, il, q, k, v, positions, slots, cache, scale: float, window: int = 0):
+        hp = self.hp
+        kc, vc, kv_pos = cache.layer(il)
+        ops.store_kv(k, v, slots, hp.n_head_kv, hp.head_dim, kc, vc)
+        kv_pos[slots] = positions
+        out = np.empty((q.shape[0], hp.n_head * hp.head_dim), np.float32)
+        ops.attention(q, positions, kc, vc, kv_pos, cache.n_used(il, slots), window,
+                      np.float32(scale), hp.n_head, out)
+        return out

@@ -1,0 +1,13 @@
+"""Errors that end in a clear message for the user (the CLI prints them, exit status 1)."""
+
+
+class MinillmError(Exception):
+    """Base class: an error whose message is meant for the user, not a traceback."""
+
+
+class GGUFError(MinillmError):
+    """The file is not a valid GGUF file, or lies about its contents."""
+
+
+class ModelError(MinillmError):
+    """The GGUF file is valid but does not describe a model we can run."""
