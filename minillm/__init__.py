@@ -1,6 +1,20 @@
-"""minillm: run quantized GGUF language models locally."""
+"""minillm: run quantized GGUF language models locally.
+
+    import minillm
+    model = minillm.load("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    logits = model.logits([1, 2, 3])   # (3, n_vocab) float32
+
+The engine (and Numba) is imported on first use, so the CLI starts fast.
+"""
 from .errors import GGUFError, MinillmError, ModelError
-from .model import Model, load
 
 __all__ = ["load", "Model", "MinillmError", "GGUFError", "ModelError"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name in ("load", "Model"):
+        from . import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module 'minillm' has no attribute '{name}'")

@@ -124,16 +124,30 @@ def qmatmul_tiles(data, scale, bias, G, xq, xd, xs, out):
                 out[t, n0 + r] = facc[r]
 
 
+@nb.njit(parallel=True, cache=True, nogil=True)
+def _tile_rows(q, scale, bias, data, scale_t, bias_t):
+    N, K = q.shape
+    NT = data.shape[0]
+    for nt in nb.prange(NT):
+        for r in range(R):
+            n = nt * R + r
+            if n >= N:
+                continue  # padding rows stay zero
+            for k2 in range(K // 2):
+                data[nt, k2, 2 * r] = q[n, 2 * k2]
+                data[nt, k2, 2 * r + 1] = q[n, 2 * k2 + 1]
+            for g in range(scale.shape[1]):
+                scale_t[nt, g, r] = scale[n, g]
+            for g in range(bias.shape[1]):
+                bias_t[nt, g, r] = bias[n, g]
+
+
 def repack(q: np.ndarray, scale: np.ndarray, bias: np.ndarray):
     """Uniform layout (N, K) -> tiles of R rows (rows padded with zeros to a multiple of R)."""
     N, K = q.shape
     NT = (N + R - 1) // R
-    pad = NT * R - N
-    if pad:
-        q = np.concatenate([q, np.zeros((pad, K), np.int8)])
-        scale = np.concatenate([scale, np.zeros((pad, scale.shape[1]), np.float32)])
-        bias = np.concatenate([bias, np.zeros((pad, bias.shape[1]), np.float32)])
-    data = np.ascontiguousarray(q.reshape(NT, R, K // 2, 2).transpose(0, 2, 1, 3)).reshape(NT, K // 2, 2 * R)
-    scale_t = np.ascontiguousarray(scale.reshape(NT, R, -1).transpose(0, 2, 1))
-    bias_t = np.ascontiguousarray(bias.reshape(NT, R, -1).transpose(0, 2, 1))
+    data = np.zeros((NT, K // 2, 2 * R), np.int8)
+    scale_t = np.zeros((NT, scale.shape[1], R), np.float32)
+    bias_t = np.zeros((NT, bias.shape[1], R), np.float32)
+    _tile_rows(q, scale, bias, data, scale_t, bias_t)
     return data, scale_t, bias_t

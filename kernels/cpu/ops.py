@@ -8,7 +8,7 @@ import math
 import numba as nb
 import numpy as np
 
-from .f16 import f16_round
+from .f16 import f16_round, f16_round_normal
 
 _PAR = dict(parallel=True, cache=True, nogil=True)
 _SER = dict(cache=True, nogil=True)
@@ -117,6 +117,20 @@ def _dot(a, b):
     return total
 
 
+@nb.njit(cache=True, nogil=True)
+def _scale_f16(acc, factor):
+    # ggml_vec_scale_f16: acc = f16(acc * factor); values stay in f16's normal range here
+    for d in range(acc.shape[0]):
+        acc[d] = f16_round_normal(acc[d] * factor)
+
+
+@nb.njit(cache=True, nogil=True)
+def _mad_f16(acc, v, factor):
+    # ggml_vec_mad_f16: acc = f16(acc + v * factor)
+    for d in range(acc.shape[0]):
+        acc[d] = f16_round_normal(acc[d] + v[d] * factor)
+
+
 @nb.njit(**_PAR)
 def attention(q, q_pos, kcache, vcache, kv_pos, n_used, window, scale, n_heads, out):
     """Causal (optionally sliding-window) attention as ggml's CPU flash_attn_ext with F16 K/V.
@@ -137,24 +151,22 @@ def attention(q, q_pos, kcache, vcache, kv_pos, n_used, window, scale, n_heads, 
         for d in range(D):
             qv[d] = f16_round(q[t, h * D + d])
         pos = q_pos[t]
-        m = -np.inf
+        m = np.float32(-np.inf)
         s_sum = np.float32(0.0)
         for slot in range(n_used):
             p = kv_pos[slot]
             if p < 0 or p > pos or (window > 0 and pos - p >= window):
                 continue
             score = _dot(qv, kcache[slot, kvh]) * scale
-            vrow = vcache[slot, kvh]
             if score > m:
                 ms = np.float32(math.exp(m - score)) if m > -np.inf else np.float32(0.0)
                 m = score
-                for d in range(D):
-                    acc[d] = f16_round(f16_round(acc[d] * ms) + vrow[d])
+                _scale_f16(acc, ms)
+                _mad_f16(acc, vcache[slot, kvh], np.float32(1.0))
                 s_sum = s_sum * ms + np.float32(1.0)
             else:
                 vs = np.float32(math.exp(score - m))
-                for d in range(D):
-                    acc[d] = f16_round(acc[d] + vrow[d] * vs)
+                _mad_f16(acc, vcache[slot, kvh], vs)
                 s_sum = s_sum + vs
         inv = np.float32(1.0) / s_sum if s_sum > 0 else np.float32(0.0)
         for d in range(D):

@@ -1,0 +1,36 @@
+# minillm: `make run` sets up and generates text; `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+MODELS := models/SmolLM2-135M-Instruct.Q4_1.gguf models/gemma-3-270m-q4_k_m.gguf
+DEFAULT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+.PHONY: install models test test-fast bench run clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+models: install
+	$(PY) models/fetch.py
+
+test: install models
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install models
+	$(VENV)/bin/minillm bench $(DEFAULT_MODEL) -p 512 -n 128
+	$(VENV)/bin/minillm bench models/gemma-3-270m-q4_k_m.gguf -p 512 -n 128
+
+run: install models
+	$(VENV)/bin/minillm info $(DEFAULT_MODEL)
+
+clean:
+	rm -rf $(VENV) build *.egg-info
+	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -1,0 +1,95 @@
+"""The `minillm` command line. Heavy imports (numba, kernels) happen inside commands, so
+`minillm --help` starts fast and never compiles anything."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .errors import MinillmError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Run quantized GGUF language models locally.",
+)
+
+ModelArg = typer.Argument(..., help="Path to a .gguf model file.", show_default=False)
+
+
+def _err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@app.command()
+def info(model: Path = ModelArg, as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")):
+    """Describe a model file: architecture, sizes, quant types, tokenizer."""
+    from .inspect import describe
+
+    facts = describe(model)
+    if as_json:
+        print(json.dumps(facts, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in facts.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}: {v}" for k, v in value.items())
+        table.add_row(key.replace("_", " "), str(value))
+    Console().print(table)
+
+
+@app.command()
+def bench(
+    model: Path = ModelArg,
+    n_prompt: int = typer.Option(512, "-p", "--n-prompt", min=0, max=1 << 16, help="Prompt tokens (prefill)."),
+    n_gen: int = typer.Option(128, "-n", "--n-gen", min=0, max=1 << 16, help="Tokens to decode."),
+    reps: int = typer.Option(1, "-r", "--reps", min=1, max=100, help="Repetitions (best is reported)."),
+    threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=1024, help="Threads."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+):
+    """Measure load time, prefill (pp) and decode (tg) speed, like llama-bench."""
+    from .bench import run_bench
+
+    result = run_bench(model, n_prompt, n_gen, reps, threads, log=_err)
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print(f"model {result['model']}  threads {result['threads']}  load {result['load_s']:.2f} s")
+        if n_prompt:
+            print(f"pp{n_prompt}: {result['pp_tokens_per_s']:.1f} tokens/s")
+        if n_gen:
+            print(f"tg{n_gen}: {result['tg_tokens_per_s']:.1f} tokens/s")
+
+
+def _register_optional_commands() -> None:
+    try:
+        from .cli_tokenize import register
+    except ImportError:
+        return
+    register(app)
+
+
+_register_optional_commands()
+
+
+def main() -> None:
+    try:
+        app()
+    except MinillmError as exc:
+        _err(f"error: {exc}")
+        sys.exit(1)
+    except KeyboardInterrupt:
+        _err("interrupted")
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.stderr.close()
+        sys.exit(0)

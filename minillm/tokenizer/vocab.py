@@ -1,0 +1,186 @@
+"""The vocabulary of a GGUF model: token texts, types, scores and special ids.
+
+Mirrors what llama.cpp's `llama_vocab::impl::load` reads from `tokenizer.ggml.*`, including
+its defaults and the tokens it finds by their text (end-of-turn markers and the like).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+from ..errors import MinillmError
+
+
+class TokenType(IntEnum):
+    """Values of `tokenizer.ggml.token_type` (llama.cpp `llama_token_type`)."""
+
+    UNDEFINED = 0
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+# Tokens llama.cpp recognises by text when the file does not name them (llama-vocab.cpp).
+EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+             "<|end_of_text|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
+EOM_TEXTS = ("<|eom_id|>",)
+FIM_PAD_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>")
+FIM_REP_TEXTS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
+FIM_SEP_TEXTS = ("<|file_sep|>",)
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+             "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>",
+             "<end_of_utterance>")
+
+# Default special ids per tokenizer model, before the file's own keys override them.
+_DEFAULT_IDS = {
+    "llama": {"bos": 1, "eos": 2, "unk": 0},
+    "gpt2": {"bos": 11, "eos": 11, "unk": None},
+}
+_SPECIAL_ID_KEYS = {
+    "bos": "tokenizer.ggml.bos_token_id",
+    "eos": "tokenizer.ggml.eos_token_id",
+    "eot": "tokenizer.ggml.eot_token_id",
+    "eom": "tokenizer.ggml.eom_token_id",
+    "unk": "tokenizer.ggml.unknown_token_id",
+    "sep": "tokenizer.ggml.seperator_token_id",  # sic: the GGUF key is spelled this way
+    "pad": "tokenizer.ggml.padding_token_id",
+    "fim_pad": "tokenizer.ggml.fim_pad_token_id",
+    "fim_rep": "tokenizer.ggml.fim_rep_token_id",
+    "fim_sep": "tokenizer.ggml.fim_sep_token_id",
+}
+
+
+@dataclass
+class Vocab:
+    """Token texts and attributes plus the special ids a tokenizer needs."""
+
+    model: str                        # tokenizer.ggml.model: "gpt2" (BPE) or "llama" (SPM)
+    pre: str                          # tokenizer.ggml.pre ("default" when absent)
+    texts: list[str]                  # id -> token text as stored in the file
+    types: list[int]                  # id -> TokenType (after llama.cpp's by-text overrides)
+    scores: list[float]               # id -> SPM merge score (0.0 when the file has none)
+    merges: list[str]                 # BPE merges "left right", rank = position
+    token_to_id: dict[str, int]
+    special_ids: dict[str, int | None]
+    eog_ids: set[int]
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    chat_template: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_vocab(self) -> int:
+        return len(self.texts)
+
+    def is_type(self, token_id: int, token_type: TokenType) -> bool:
+        return self.types[token_id] == token_type
+
+
+def load_vocab(metadata: dict[str, Any]) -> Vocab:
+    """Build a Vocab from GGUF metadata, raising MinillmError for anything unusable."""
+    model = metadata.get("tokenizer.ggml.model")
+    if model not in _DEFAULT_IDS:
+        raise MinillmError(f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); "
+                           f"supported: {', '.join(sorted(_DEFAULT_IDS))}")
+    texts = _read_token_texts(metadata)
+    n_vocab = len(texts)
+    types = _read_array(metadata, "tokenizer.ggml.token_type", n_vocab, TokenType.NORMAL, int)
+    scores = _read_array(metadata, "tokenizer.ggml.scores", n_vocab, 0.0, float)
+    types = [t if 0 <= t <= 6 else TokenType.UNDEFINED for t in types]
+    merges = metadata.get("tokenizer.ggml.merges", [])
+    if model == "gpt2" and not merges:
+        raise MinillmError("BPE tokenizer without tokenizer.ggml.merges")
+    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+        raise MinillmError("tokenizer.ggml.merges must be an array of strings")
+
+    token_to_id = {text: i for i, text in enumerate(texts)}
+    special_ids = _read_special_ids(metadata, model, n_vocab)
+    eog_ids = _detect_by_text(token_to_id, types, special_ids)
+    is_spm = model == "llama"
+    add_bos = _read_bool(metadata, "tokenizer.ggml.add_bos_token", is_spm)
+    add_eos = _read_bool(metadata, "tokenizer.ggml.add_eos_token", False)
+    add_space_prefix = _read_bool(metadata, "tokenizer.ggml.add_space_prefix", is_spm)
+    template = metadata.get("tokenizer.chat_template")
+    return Vocab(
+        model=model, pre=str(metadata.get("tokenizer.ggml.pre") or "default"), texts=texts,
+        types=types, scores=scores, merges=merges, token_to_id=token_to_id,
+        special_ids=special_ids, eog_ids=eog_ids, add_bos=add_bos, add_eos=add_eos,
+        add_space_prefix=add_space_prefix,
+        chat_template=template if isinstance(template, str) else None,
+    )
+
+
+def _read_token_texts(metadata: dict[str, Any]) -> list[str]:
+    texts = metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(texts, list) or not texts:
+        raise MinillmError("the model has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    if not all(isinstance(t, str) for t in texts):
+        raise MinillmError("tokenizer.ggml.tokens must be an array of strings")
+    # llama.cpp renames empty tokens so that every text maps back to one id.
+    return [t if t else f"[EMPTY_{i}]" for i, t in enumerate(texts)]
+
+
+def _read_array(metadata, key: str, n: int, default, convert) -> list:
+    values = metadata.get(key)
+    if values is None:
+        return [default] * n
+    if len(values) != n:
+        raise MinillmError(f"{key} has {len(values)} entries but the vocabulary has {n} tokens")
+    if isinstance(values, np.ndarray):
+        return [convert(v) for v in values.tolist()]
+    return [convert(v) for v in values]
+
+
+def _read_bool(metadata, key: str, default: bool) -> bool:
+    value = metadata.get(key)
+    return bool(value) if value is not None else default
+
+
+def _read_special_ids(metadata, model: str, n_vocab: int) -> dict[str, int | None]:
+    ids: dict[str, int | None] = {name: None for name in _SPECIAL_ID_KEYS}
+    ids.update(_DEFAULT_IDS[model])
+    for name, key in _SPECIAL_ID_KEYS.items():
+        value = metadata.get(key)
+        # llama.cpp keeps the default when the file names an id outside the vocabulary.
+        if isinstance(value, (int, np.integer)) and 0 <= int(value) < n_vocab:
+            ids[name] = int(value)
+    for name, value in ids.items():
+        if value is not None and not 0 <= value < n_vocab:
+            ids[name] = None
+    return ids
+
+
+def _detect_by_text(token_to_id: dict[str, int], types: list[int],
+                    special_ids: dict[str, int | None]) -> set[int]:
+    """Find end-of-generation tokens as llama.cpp does; mark them CONTROL. Returns the EOG set."""
+    for name, candidates in (("eot", EOT_TEXTS), ("eom", EOM_TEXTS), ("fim_pad", FIM_PAD_TEXTS),
+                             ("fim_rep", FIM_REP_TEXTS), ("fim_sep", FIM_SEP_TEXTS)):
+        if special_ids[name] is None:
+            found = sorted(token_to_id[t] for t in candidates if t in token_to_id)
+            if found:
+                special_ids[name] = found[0]
+                types[found[0]] = TokenType.CONTROL
+    eog = {special_ids[n] for n in ("fim_pad", "fim_rep", "fim_sep") if special_ids[n] is not None}
+    for text in EOG_TEXTS:
+        token_id = token_to_id.get(text)
+        if token_id is not None:
+            eog.add(token_id)
+            types[token_id] = TokenType.CONTROL
+    eog.update(special_ids[n] for n in ("eos", "eot", "eom") if special_ids[n] is not None)
+    _drop_harmony_end(eog, token_to_id, types)
+    return eog
+
+
+def _drop_harmony_end(eog: set[int], token_to_id: dict[str, int], types: list[int]) -> None:
+    """o200k_harmony: with <|return|> and <|call|> present, <|end|> does not end generation."""
+    ids = [token_to_id.get(t) for t in ("<|return|>", "<|call|>", "<|end|>")]
+    if all(i is not None and i in eog for i in ids):
+        eog.discard(ids[2])
+        types[ids[2]] = TokenType.USER_DEFINED

@@ -1,0 +1,51 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).resolve().parent / "data"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MODELS = {
+    "smollm2": ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "gemma3": ROOT / "models" / "gemma-3-270m-q4_k_m.gguf",
+}
+
+
+def model_path(name: str) -> Path:
+    path = MODELS[name]
+    if not path.exists():
+        pytest.fail(f"{path} is missing: run `make models` (make test does it)")
+    return path
+
+
+_loaded = {}
+
+
+def loaded_model(name: str):
+    """One loaded Model per real model for the whole test session."""
+    import minillm
+
+    if name not in _loaded:
+        _loaded[name] = minillm.load(model_path(name))
+    return _loaded[name]
+
+
+@pytest.fixture
+def tiny_llama(tmp_path):
+    from synthetic import SyntheticModel
+
+    return SyntheticModel("llama", "Q8_0", n_layer=1, n_embd=64, n_head=2, n_head_kv=1,
+                          head_dim=32, n_ff=128, n_vocab=40).build().write(tmp_path / "tiny.gguf")
+
+
+# lines that tests want shown in the run's output (measured figures), printed at the end
+REPORT: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    if REPORT:
+        terminalreporter.section("measured")
+        for line in REPORT:
+            terminalreporter.write_line(line)

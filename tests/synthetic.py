@@ -1,0 +1,192 @@
+"""Tiny synthetic GGUF models (written with gguf.GGUFWriter) and a plain NumPy reference
+forward pass, for fast unit tests of each architecture and format."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf.quants import dequantize as ref_dequantize
+
+# byte offsets of the f16 scale fields in one block, per format (ggml-common.h)
+F16_FIELDS = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}
+
+# second f16 field relative to the first, to centre the weights: Q4_1/Q5_1 add a (negative)
+# min; the K-quants subtract dmin times a 6-bit min whose mean roughly matches sc * mean(q)
+CENTRE = {"Q4_1": -7.5, "Q5_1": -15.5, "Q2_K": 1.5, "Q4_K": 7.5, "Q5_K": 15.5}
+
+
+def random_blocks(fmt: str, rows: int, cols: int, rng, std: float | None = 0.05) -> np.ndarray:
+    """Random raw blocks of a quantized format with sane f16 scales: (rows, row_bytes) uint8,
+    scaled so that the weights' standard deviation is about `std` (None: unscaled)."""
+    qtype = gguf.GGMLQuantizationType[fmt]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n_blocks = rows * cols // block
+    raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    scale = 0.02
+    if std is not None:
+        probe = random_blocks(fmt, rows, cols, np.random.default_rng(0), None)
+        scale *= std / float(ref_dequantize(probe, qtype).std())
+    d = rng.random(n_blocks) * scale + scale / 4
+    fields = F16_FIELDS[fmt]
+    values = [d]
+    if len(fields) == 2:  # the min: chosen so that weights are centred around zero
+        values.append(d * CENTRE[fmt])
+    for off, val in zip(fields, values):
+        raw[:, off:off + 2] = val.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+    return raw.reshape(rows, -1)
+
+
+def float_tensor(fmt: str, rows: int, cols: int, rng, scale: float = 0.1) -> np.ndarray:
+    x = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+    if fmt == "F16":
+        return x.astype(np.float16)
+    if fmt == "BF16":
+        return (x.view(np.uint32) >> 16).astype(np.uint16)
+    return x
+
+
+class SyntheticModel:
+    """Writes a tiny model and keeps every tensor's float values for the reference."""
+
+    def __init__(self, arch: str, fmt: str, seed: int = 0, n_layer: int = 2, n_embd: int = 256,
+                 n_head: int = 4, n_head_kv: int = 2, head_dim: int = 64, n_ff: int = 512,
+                 n_vocab: int = 300, window: int = 8):
+        self.arch, self.fmt = arch, fmt
+        self.n_layer, self.n_embd, self.n_head, self.n_head_kv = n_layer, n_embd, n_head, n_head_kv
+        self.head_dim, self.n_ff, self.n_vocab, self.window = head_dim, n_ff, n_vocab, window
+        self.rng = np.random.default_rng(seed)
+        self.tensors: dict[str, tuple[np.ndarray, str, tuple]] = {}
+        self.values: dict[str, np.ndarray] = {}
+
+    def add(self, name: str, rows: int, cols: int, fmt: str | None = None) -> None:
+        fmt = fmt or self.fmt
+        if fmt in F16_FIELDS:
+            raw = random_blocks(fmt, rows, cols, self.rng)
+            qtype = gguf.GGMLQuantizationType[fmt]
+            values = ref_dequantize(raw, qtype).reshape(rows, cols)
+        else:
+            raw = float_tensor(fmt, rows, cols, self.rng)
+            values = ref_dequantize(raw.view(np.uint8) if fmt == "BF16" else raw,
+                                    gguf.GGMLQuantizationType[fmt]).reshape(rows, cols)
+        self.tensors[name] = (raw, fmt, (rows, cols))
+        self.values[name] = values.astype(np.float32)
+
+    def add_norm(self, name: str, width: int) -> None:
+        w = (1.0 + 0.1 * self.rng.standard_normal(width)).astype(np.float32)
+        self.tensors[name] = (w, "F32", (width,))
+        self.values[name] = w
+
+    def build(self) -> "SyntheticModel":
+        E, F, D = self.n_embd, self.n_ff, self.head_dim
+        self.add("token_embd.weight", self.n_vocab, E, "Q8_0" if self.fmt in F16_FIELDS else self.fmt)
+        self.add_norm("output_norm.weight", E)
+        for il in range(self.n_layer):
+            p = f"blk.{il}."
+            self.add_norm(p + "attn_norm.weight", E)
+            self.add(p + "attn_q.weight", self.n_head * D, E)
+            self.add(p + "attn_k.weight", self.n_head_kv * D, E)
+            self.add(p + "attn_v.weight", self.n_head_kv * D, E)
+            self.add(p + "attn_output.weight", E, self.n_head * D)
+            self.add_norm(p + "ffn_norm.weight", E)
+            self.add(p + "ffn_gate.weight", F, E)
+            self.add(p + "ffn_up.weight", F, E)
+            self.add(p + "ffn_down.weight", E, F)
+            if self.arch == "gemma3":
+                self.add_norm(p + "attn_q_norm.weight", D)
+                self.add_norm(p + "attn_k_norm.weight", D)
+                self.add_norm(p + "post_attention_norm.weight", E)
+                self.add_norm(p + "post_ffw_norm.weight", E)
+        return self
+
+    def write(self, path: Path) -> Path:
+        w = gguf.GGUFWriter(str(path), self.arch)
+        a = self.arch
+        w.add_uint32(f"{a}.block_count", self.n_layer)
+        w.add_uint32(f"{a}.context_length", 4096)
+        w.add_uint32(f"{a}.embedding_length", self.n_embd)
+        w.add_uint32(f"{a}.feed_forward_length", self.n_ff)
+        w.add_uint32(f"{a}.attention.head_count", self.n_head)
+        w.add_uint32(f"{a}.attention.head_count_kv", self.n_head_kv)
+        w.add_uint32(f"{a}.attention.key_length", self.head_dim)
+        w.add_uint32(f"{a}.attention.value_length", self.head_dim)
+        w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+        w.add_float32(f"{a}.rope.freq_base", 10000.0 if a == "llama" else 1000000.0)
+        if a == "gemma3":
+            w.add_uint32(f"{a}.attention.sliding_window", self.window)
+        for name, (raw, fmt, shape) in self.tensors.items():
+            if fmt in ("F32", "F16"):
+                w.add_tensor(name, raw)
+            else:
+                w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType[fmt])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+
+# ---- plain NumPy reference forward (float64, no activation quantization) ----
+
+def _rms(x, w, eps=1e-6):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x, positions, base, neox):
+    T, H, D = x.shape
+    inv = base ** (-np.arange(0, D, 2) / D)
+    ang = positions[:, None] * inv[None, :]  # (T, D/2)
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    out = x.copy()
+    if neox:
+        a, b = x[..., :D // 2], x[..., D // 2:]
+        out[..., :D // 2], out[..., D // 2:] = a * cos - b * sin, a * sin + b * cos
+    else:
+        a, b = x[..., 0::2], x[..., 1::2]
+        out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
+    return out
+
+
+def reference_logits(m: SyntheticModel, ids) -> np.ndarray:
+    v = {k: val.astype(np.float64) for k, val in m.values.items()}
+    T, D, H, Hkv = len(ids), m.head_dim, m.n_head, m.n_head_kv
+    pos = np.arange(T, dtype=np.float64)
+    x = v["token_embd.weight"][ids]
+    gemma = m.arch == "gemma3"
+    if gemma:
+        x = x * math.sqrt(m.n_embd)
+    for il in range(m.n_layer):
+        p = f"blk.{il}."
+        h = _rms(x, v[p + "attn_norm.weight"])
+        q = (h @ v[p + "attn_q.weight"].T).reshape(T, H, D)
+        k = (h @ v[p + "attn_k.weight"].T).reshape(T, Hkv, D)
+        val = (h @ v[p + "attn_v.weight"].T).reshape(T, Hkv, D)
+        local = gemma and il % 6 < 5
+        if gemma:
+            q, k = _rms(q, v[p + "attn_q_norm.weight"]), _rms(k, v[p + "attn_k_norm.weight"])
+        base = (10000.0 if local else 1000000.0) if gemma else 10000.0
+        q, k = _rope(q, pos, base, gemma), _rope(k, pos, base, gemma)
+        k, val = np.repeat(k, H // Hkv, axis=1), np.repeat(val, H // Hkv, axis=1)
+        scores = np.einsum("thd,shd->hts", q, k) / math.sqrt(D)
+        i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+        mask = (j > i) | ((i - j >= m.window) if local else False)
+        scores = np.where(mask[None], -np.inf, scores)
+        prob = np.exp(scores - scores.max(-1, keepdims=True))
+        prob /= prob.sum(-1, keepdims=True)
+        attn = np.einsum("hts,shd->thd", prob, val).reshape(T, H * D)
+        o = attn @ v[p + "attn_output.weight"].T
+        x = x + (_rms(o, v[p + "post_attention_norm.weight"]) if gemma else o)
+        h = _rms(x, v[p + "ffn_norm.weight"])
+        g, u = h @ v[p + "ffn_gate.weight"].T, h @ v[p + "ffn_up.weight"].T
+        if gemma:
+            act = 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) * u
+        else:
+            act = g / (1 + np.exp(-g)) * u
+        f = act @ v[p + "ffn_down.weight"].T
+        x = x + (_rms(f, v[p + "post_ffw_norm.weight"]) if gemma else f)
+    x = _rms(x, v["output_norm.weight"])
+    return x @ v["token_embd.weight"].T

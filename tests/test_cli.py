@@ -1,0 +1,65 @@
+"""The CLI as users and scripts meet it: clean errors, stable JSON."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import model_path
+
+
+def run(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_help_is_fast_and_does_not_compile():
+    out = run("--help")
+    assert out.returncode == 0 and "info" in out.stdout and "bench" in out.stdout
+    probe = subprocess.run([sys.executable, "-c", "import sys, minillm.cli; print('numba' in sys.modules)"],
+                           capture_output=True, text=True)
+    assert probe.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("make_bad", [
+    lambda p: p,                                              # a directory
+    lambda p: p / "missing.gguf",                             # a missing path
+    lambda p: (p / "t.txt").write_text("plain text " * 10) or p / "t.txt",
+    lambda p: (p / "b.gguf").write_bytes(b"GGUF" + b"\xff" * 40) or p / "b.gguf",
+])
+def test_info_bad_input_clean_error(tmp_path, make_bad):
+    out = run("info", str(make_bad(tmp_path)))
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: ") and "Traceback" not in out.stderr
+    assert out.stdout == ""
+
+
+def test_bad_flag_is_a_usage_error(tiny_llama):
+    out = run("bench", str(tiny_llama), "-p", "many")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+
+
+def test_info_json(tiny_llama):
+    out = run("info", str(tiny_llama), "--json")
+    assert out.returncode == 0, out.stderr
+    facts = json.loads(out.stdout)
+    assert facts["architecture"] == "llama" and facts["n_layer"] == 1 and facts["n_vocab"] == 40
+    assert facts["tensor_types"] == {"Q8_0": 8, "F32": 3}
+
+
+@pytest.mark.slow
+def test_info_real_model_human_readable():
+    out = run("info", str(model_path("gemma3")))
+    assert out.returncode == 0, out.stderr
+    for text in ("gemma3", "262144", "Q4_K", "sliding" if False else "32768"):
+        assert text in out.stdout
+
+
+@pytest.mark.slow
+def test_bench_json_on_real_model():
+    out = run("bench", str(model_path("smollm2")), "-p", "32", "-n", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1  # stdout carries only the JSON object
+    result = json.loads(lines[0])
+    for key in ("pp_tokens_per_s", "tg_tokens_per_s", "load_s"):
+        assert result[key] > 0

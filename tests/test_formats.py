@@ -1,0 +1,111 @@
+"""Every format: dequantization bit-exact against gguf.quants; products match dequantize-then-matmul."""
+import gguf
+import numpy as np
+import pytest
+from gguf.quants import dequantize as ref_dequantize
+
+from minillm.formats import FORMATS, FORMATS_BY_NAME
+from minillm.kernels.cpu import matmul as mm
+from minillm.kernels.cpu.unpack import dequantize, unpack
+from synthetic import random_blocks
+from conftest import loaded_model
+
+QUANTIZED = [f.name for f in FORMATS if f.quantized]
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    a, b = a.astype(np.float32).ravel(), b.astype(np.float32).ravel()
+    nan = np.isnan(a)
+    return np.array_equal(nan, np.isnan(b)) and np.array_equal(a[~nan].view(np.uint32), b[~nan].view(np.uint32))
+
+
+def reference(fmt, raw, cols):
+    return ref_dequantize(raw, gguf.GGMLQuantizationType[fmt.name]).reshape(raw.shape[0], cols)
+
+
+def test_registry_matches_gguf_constants():
+    for f in FORMATS:
+        qtype = gguf.GGMLQuantizationType[f.name]
+        assert f.ggml_type == qtype.value
+        assert (f.block_size, f.type_size) == gguf.GGML_QUANT_SIZES[qtype]
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_dequantize_random_bytes_bit_exact(name):
+    fmt = FORMATS_BY_NAME[name]
+    rng = np.random.default_rng(1)
+    cols = 2 * max(fmt.block_size, 32)
+    raw = rng.integers(0, 256, size=(8, cols // fmt.block_size * fmt.type_size), dtype=np.uint8)
+    with np.errstate(all="ignore"):  # random f16 scales include inf and nan
+        assert same_bits(dequantize(fmt, raw, cols), reference(fmt, raw, cols))
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_dequantize_zero_blocks(name):
+    fmt = FORMATS_BY_NAME[name]
+    cols = fmt.block_size * 2
+    raw = np.zeros((3, 2 * fmt.type_size), np.uint8)
+    assert same_bits(dequantize(fmt, raw, cols), reference(fmt, raw, cols))
+
+
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
+def test_dequantize_float_formats(name):
+    fmt = FORMATS_BY_NAME[name]
+    rng = np.random.default_rng(2)
+    raw = rng.integers(0, 256, size=(4, 64 * fmt.type_size), dtype=np.uint8)
+    with np.errstate(all="ignore"):
+        assert same_bits(dequantize(fmt, raw, 64), reference(fmt, raw, 64))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_dequantize_real_tensors_bit_exact(model):
+    g = loaded_model(model).gguf
+    seen = set()
+    for info in g.tensors.values():
+        key = (info.format.name, len(info.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        raw = g.raw(info.name)[:64]  # the first 64 rows of one tensor per type
+        assert same_bits(dequantize(info.format, raw, info.shape[0]), reference(info.format, raw, info.shape[0])), info.name
+    assert {f for f, _ in seen} >= ({"Q4_1", "Q8_0", "F32"} if model == "smollm2" else {"Q5_0", "Q8_0", "Q4_K", "Q6_K", "F32"})
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("n_tokens", [1, 5])
+def test_quantized_product_matches_dequantized(name, n_tokens):
+    """out = x_q @ W.T where x_q is the Q8-quantized activation: equal up to float rounding."""
+    fmt = FORMATS_BY_NAME[name]
+    rng = np.random.default_rng(3)
+    n_rows, cols = 70, 512  # 70 rows: a partial last tile
+    raw = random_blocks(name, n_rows, cols, rng)
+    q, scale, bias = unpack(fmt, raw, cols)
+    data, scale_t, bias_t = mm.repack(q, scale, bias)
+    x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
+    xq = np.empty((n_tokens, cols), np.int8)
+    d16, s16 = np.empty((n_tokens, cols // 16), np.float32), np.empty((n_tokens, cols // 16), np.float32)
+    d32, s32 = np.empty((n_tokens, cols // 32), np.float32), np.empty((n_tokens, cols // 32), np.float32)
+    mm.quantize_act(x, mm.KIND_IDS[fmt.activation], xq, d16, s16, d32, s32)
+    xd, xs = (d16, s16) if fmt.group == 16 else (d32, s32)
+    out = np.empty((n_tokens, n_rows), np.float32)
+    mm.qmatmul_tiles(data, scale_t, bias_t, fmt.group, xq, xd, xs, out)
+
+    w = reference(fmt, raw, cols).astype(np.float64)
+    x_deq = xq.astype(np.float64) * np.repeat(xd, fmt.group, axis=1)
+    expected = x_deq @ w.T
+    if fmt.has_bias:  # Q8_1's s is rounded to f16, so use the sums as the kernel sees them
+        expected = (np.repeat(xd, fmt.group, axis=1) * xq) @ (w - np.repeat(bias, fmt.group, axis=1)).T
+        expected += xs.astype(np.float64) @ bias.astype(np.float64).T
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    # and the activation quantization itself is faithful to x
+    assert np.abs(x_deq - x).max() <= np.abs(x).max() / 127 * 0.51 + 1e-6
+
+
+def test_activation_quantization_q8_0_follows_llama_cpp():
+    x = np.array([[0.5, -1.0, 0.25] + [0.0] * 29], np.float32)
+    xq = np.empty((1, 32), np.int8)
+    d16, s16, d32, s32 = (np.empty((1, n), np.float32) for n in (2, 2, 1, 1))
+    mm.quantize_act(x, mm.KIND_Q8_0, xq, d16, s16, d32, s32)
+    assert xq[0, :3].tolist() == [64, -127, 32]  # rint(0.5 * 127) = 64 (half to even: 63.5 -> 64)
+    assert d32[0, 0] == np.float32(np.float16(1.0 / 127))

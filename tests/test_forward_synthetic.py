@@ -1,0 +1,45 @@
+"""Tiny synthetic models of each architecture and format against a plain NumPy forward."""
+import numpy as np
+import pytest
+
+import minillm
+from synthetic import SyntheticModel, reference_logits
+
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "F32", "BF16"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_forward_matches_numpy_reference(tmp_path, arch, fmt):
+    # gemma3 with 7 layers: 6 local sliding-window layers (window 8) and one global layer
+    sm = SyntheticModel(arch, fmt, n_layer=2 if arch == "llama" else 7).build()
+    model = minillm.load(sm.write(tmp_path / "m.gguf"))
+    ids = np.random.default_rng(1).integers(0, sm.n_vocab, 20)
+    ours = model.logits(ids)
+    ref = reference_logits(sm, ids)
+    assert ours.shape == (20, sm.n_vocab) and ours.dtype == np.float32
+    rel = np.abs(ours - ref).max() / np.abs(ref).max()
+    corr = np.corrcoef(ours.ravel(), ref.ravel())[0, 1]
+    if fmt in ("F32", "F16"):
+        assert rel < 0.005, rel  # only f16 rounding of the KV cache and Q differ
+    else:  # activations quantized to 8 bits (BF16: rounded to bf16) as llama.cpp does
+        assert rel < 0.06 and corr > 0.998, (rel, corr)
+
+
+def test_batched_and_incremental_evaluation_agree(tmp_path):
+    sm = SyntheticModel("gemma3", "Q4_K", n_layer=7).build()
+    model = minillm.load(sm.write(tmp_path / "m.gguf"))
+    ids = np.random.default_rng(2).integers(0, sm.n_vocab, 24)
+    whole = model.logits(ids)
+    cache = model.new_cache(24)
+    parts = [model.eval(ids[:10], cache), model.eval(ids[10:11], cache), model.eval(ids[11:], cache)]
+    np.testing.assert_allclose(np.concatenate(parts), whole, rtol=0, atol=1e-4 * np.abs(whole).max())
+    tail = model.logits(ids, start=20)
+    np.testing.assert_array_equal(tail, whole[20:])
+
+
+def test_out_of_vocabulary_ids_are_refused(tmp_path):
+    sm = SyntheticModel("llama", "Q8_0", n_layer=1).build()
+    model = minillm.load(sm.write(tmp_path / "m.gguf"))
+    with pytest.raises(minillm.MinillmError, match="outside the vocabulary"):
+        model.logits([1, sm.n_vocab])
