@@ -12,6 +12,8 @@ from .pre_types import pre_type
 from .pretokenize import PreTokenizer
 from .vocab import Vocab
 
+_MAX_CACHE = 200_000  # words remembered with their ids
+
 
 def _byte_to_char_table() -> list[str]:
     """GPT-2's reversible map from the 256 byte values to printable characters."""
@@ -64,7 +66,7 @@ class BpeEncoder:
             ids = cache.get(word)
             if ids is None:
                 ids = self._encode_word(byte_encode(word))
-                if len(cache) < 200_000:
+                if len(cache) < _MAX_CACHE:
                     cache[word] = ids
             output.extend(ids)
 

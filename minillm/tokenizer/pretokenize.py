@@ -7,10 +7,13 @@ codepoint becomes a stand-in for its Unicode category (\\xD1 number, \\xD2 lette
 punctuation, \\xD4 mark, \\xD5 symbol, \\xD0 anything else). In the regex, `\\p{N}` becomes
 `[\\xD10-9]` and so on. Running the regex on the collapsed text gives the same split positions,
 which are then applied to the real text. We do exactly that with `re` (ASCII mode, so `\\s` is
-the C locale's [ \\t\\n\\v\\f\\r]). llama.cpp hand-codes the gpt2 and llama3 regexes; those
-scanners split identically to the regexes, so one path serves all.
+the C locale's [ \\t\\n\\v\\f\\r]). A regex without `\\p{..}` runs on the real text, with
+non-ASCII whitespace turned into \\x0B, as llama.cpp's std::wregex path does. llama.cpp
+hand-codes the gpt2 and llama3 regexes; those scanners split exactly like the regexes (the tests
+compare them with a port of the scanners on random text), so one path serves all.
 
 Each regex splits every piece left by the previous one; text between matches stays a piece.
+Unicode categories follow llama.cpp's tables (Unicode 15.1), not only Python's unicodedata.
 """
 from __future__ import annotations
 
@@ -42,6 +45,31 @@ _PROPERTY_CLASS = {"N": "N", "L": "L", "P": "P", "M": "M", "S": "S",
 _PROPERTY_RE = re.compile(r"\\p\{(\w{1,8})\}")
 
 
+# llama.cpp's category tables follow Unicode 15.1; Python 3.11's unicodedata is Unicode 14.0.
+# The codepoints whose stand-in differs (characters new in 15.0/15.1), as "first[-last]:class";
+# computed by comparing unicodedata with the unicodedata2 15.1.0 package.
+_UNICODE_15_1_CHANGES = """
+0CF3:M 0ECE:M 2FFC-2FFF:S 31EF:S 10EFD-10EFF:M 1123F-11240:L 11241:M 11B00-11B09:P 11F00-11F01:M
+11F02:L 11F03:M 11F04-11F10:L 11F12-11F33:L 11F34-11F3A:M 11F3E-11F42:M 11F43-11F4F:P
+11F50-11F59:N 1342F:L 13440:M 13441-13446:L 13447-13455:M 1B132:L 1B155:L 1D2C0-1D2D3:N
+1DF25-1DF2A:L 1E030-1E06D:L 1E08F:M 1E4D0-1E4EB:L 1E4EC-1E4EF:M 1E4F0-1E4F9:N 1F6DC:S
+1F774-1F776:S 1F77B-1F77F:S 1F7D9:S 1FA75-1FA77:S 1FA87-1FA88:S 1FAAD-1FAAF:S 1FABB-1FABD:S
+1FABF:S 1FACE-1FACF:S 1FADA-1FADB:S 1FAE8:S 1FAF7-1FAF8:S 2B739:L 2EBF0-2EE5D:L 31350-323AF:L
+"""
+
+
+def _parse_changes(table: str) -> list[tuple[int, int, str]]:
+    changes = []
+    for item in table.split():
+        span, _, category = item.partition(":")
+        first, _, last = span.partition("-")
+        changes.append((int(first, 16), int(last or first, 16), category))
+    return changes
+
+
+_CHANGES = _parse_changes(_UNICODE_15_1_CHANGES)
+
+
 class _CollapseTable(dict):
     """codepoint -> one-character stand-in, filled on first use (for str.translate)."""
 
@@ -56,7 +84,11 @@ def _stand_in(codepoint: int) -> str:
         return chr(codepoint)
     if codepoint in WHITESPACE:
         return _SPACE_STAND_IN
-    return _CATEGORY_STAND_IN.get(unicodedata.category(chr(codepoint))[0], _OTHER_STAND_IN)
+    category = unicodedata.category(chr(codepoint))[0]
+    for first, last, changed in _CHANGES:
+        if first <= codepoint <= last:
+            category = changed
+    return _CATEGORY_STAND_IN.get(category, _OTHER_STAND_IN)
 
 
 _COLLAPSE = _CollapseTable()

@@ -5,13 +5,14 @@ its defaults and the tokens it finds by their text (end-of-turn markers and the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
 import numpy as np
 
 from ..errors import MinillmError
+from .pre_types import pre_type
 
 
 class TokenType(IntEnum):
@@ -73,14 +74,10 @@ class Vocab:
     add_eos: bool
     add_space_prefix: bool
     chat_template: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def n_vocab(self) -> int:
         return len(self.texts)
-
-    def is_type(self, token_id: int, token_type: TokenType) -> bool:
-        return self.types[token_id] == token_type
 
 
 def load_vocab(metadata: dict[str, Any]) -> Vocab:
@@ -91,25 +88,28 @@ def load_vocab(metadata: dict[str, Any]) -> Vocab:
                            f"supported: {', '.join(sorted(_DEFAULT_IDS))}")
     texts = _read_token_texts(metadata)
     n_vocab = len(texts)
-    types = _read_array(metadata, "tokenizer.ggml.token_type", n_vocab, TokenType.NORMAL, int)
-    scores = _read_array(metadata, "tokenizer.ggml.scores", n_vocab, 0.0, float)
-    types = [t if 0 <= t <= 6 else TokenType.UNDEFINED for t in types]
+    types = _read_array(metadata, "tokenizer.ggml.token_type", n_vocab, TokenType.NORMAL, np.int64)
+    scores = _read_array(metadata, "tokenizer.ggml.scores", n_vocab, 0.0, np.float64)
+    if types and not 0 <= min(types) <= max(types) <= 6:
+        types = [t if 0 <= t <= 6 else TokenType.UNDEFINED for t in types]
     merges = metadata.get("tokenizer.ggml.merges", [])
     if model == "gpt2" and not merges:
         raise MinillmError("BPE tokenizer without tokenizer.ggml.merges")
-    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+    if not isinstance(merges, list) or (merges and not isinstance(merges[0], str)):
         raise MinillmError("tokenizer.ggml.merges must be an array of strings")
 
-    token_to_id = {text: i for i, text in enumerate(texts)}
+    token_to_id = dict(zip(texts, range(n_vocab)))  # a repeated text maps to its last id
     special_ids = _read_special_ids(metadata, model, n_vocab)
     eog_ids = _detect_by_text(token_to_id, types, special_ids)
     is_spm = model == "llama"
-    add_bos = _read_bool(metadata, "tokenizer.ggml.add_bos_token", is_spm)
+    pre = str(metadata.get("tokenizer.ggml.pre") or "default")
+    default_bos = True if is_spm else pre_type(pre).add_bos
+    add_bos = _read_bool(metadata, "tokenizer.ggml.add_bos_token", default_bos)
     add_eos = _read_bool(metadata, "tokenizer.ggml.add_eos_token", False)
     add_space_prefix = _read_bool(metadata, "tokenizer.ggml.add_space_prefix", is_spm)
     template = metadata.get("tokenizer.chat_template")
     return Vocab(
-        model=model, pre=str(metadata.get("tokenizer.ggml.pre") or "default"), texts=texts,
+        model=model, pre=pre, texts=texts,
         types=types, scores=scores, merges=merges, token_to_id=token_to_id,
         special_ids=special_ids, eog_ids=eog_ids, add_bos=add_bos, add_eos=add_eos,
         add_space_prefix=add_space_prefix,
@@ -119,23 +119,24 @@ def load_vocab(metadata: dict[str, Any]) -> Vocab:
 
 def _read_token_texts(metadata: dict[str, Any]) -> list[str]:
     texts = metadata.get("tokenizer.ggml.tokens")
-    if not isinstance(texts, list) or not texts:
+    if not isinstance(texts, list) or not texts or not isinstance(texts[0], str):
         raise MinillmError("the model has no tokenizer vocabulary (tokenizer.ggml.tokens)")
-    if not all(isinstance(t, str) for t in texts):
-        raise MinillmError("tokenizer.ggml.tokens must be an array of strings")
-    # llama.cpp renames empty tokens so that every text maps back to one id.
-    return [t if t else f"[EMPTY_{i}]" for i, t in enumerate(texts)]
+    if "" in texts:  # llama.cpp renames empty tokens so that every text maps back to one id
+        texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(texts)]
+    return texts
 
 
-def _read_array(metadata, key: str, n: int, default, convert) -> list:
+def _read_array(metadata, key: str, n: int, default, dtype) -> list:
+    """A numeric per-token array as a Python list (fast to index), or `default` for all."""
     values = metadata.get(key)
     if values is None:
         return [default] * n
     if len(values) != n:
         raise MinillmError(f"{key} has {len(values)} entries but the vocabulary has {n} tokens")
-    if isinstance(values, np.ndarray):
-        return [convert(v) for v in values.tolist()]
-    return [convert(v) for v in values]
+    try:
+        return np.asarray(values, dtype=dtype).tolist()
+    except (TypeError, ValueError):
+        raise MinillmError(f"{key} must be an array of numbers") from None
 
 
 def _read_bool(metadata, key: str, default: bool) -> bool:
