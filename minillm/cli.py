@@ -70,15 +70,14 @@ def bench(
             print(f"tg{n_gen}: {result['tg_tokens_per_s']:.1f} tokens/s")
 
 
-def _register_optional_commands() -> None:
-    try:
-        from .cli_tokenize import register
-    except ImportError:
-        return
-    register(app)
+def _register_commands() -> None:
+    from . import cli_generate, cli_tokenize
+
+    for module in (cli_generate, cli_tokenize):
+        module.register(app)
 
 
-_register_optional_commands()
+_register_commands()
 
 
 def main() -> None:
@@ -93,3 +92,36 @@ def main() -> None:
     except BrokenPipeError:
         sys.stderr.close()
         sys.exit(0)
+
+
+@app.command()
+def perplexity(
+    model: Path = ModelArg,
+    file: Path = typer.Option(..., "-f", "--file", help="Text file to score.", show_default=False),
+    n_ctx: int = typer.Option(512, "-c", "--ctx", min=16, max=1 << 16, help="Tokens per chunk."),
+    threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=1024, help="Threads."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+):
+    """Perplexity of a text, with llama-perplexity's protocol; prints `PPL = X`."""
+    from tqdm import tqdm
+
+    from .model import Model
+    from .perplexity import perplexity as run
+
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MinillmError(f"cannot read {file}: {exc}") from None
+    m = Model(model, threads=threads)
+    with tqdm(total=None, unit="chunk", file=sys.stderr, disable=as_json) as bar:
+        def progress(done, total, ppl):
+            bar.total = total
+            bar.update(1)
+            bar.set_postfix(ppl=f"{ppl:.4f}")
+
+        result = run(m, text, n_ctx, progress)
+    if as_json:
+        print(json.dumps({"ppl": result.ppl, "n_ctx": n_ctx, "n_chunks": result.n_chunks,
+                          "n_scored": result.n_scored, "chunk_ppl": result.chunk_ppl}))
+    else:
+        print(f"PPL = {result.ppl:.4f}")

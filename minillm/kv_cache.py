@@ -1,34 +1,87 @@
-"""The KV cache: per layer, keys and values of every cached position, in slots.
+"""The KV cache: ring buffers of keys and values, with logical positions kept apart from slots.
 
-A slot holds the token at a logical position; kv_pos (S,) maps slot -> position (-1 for
-an empty slot), so attention masks by position, never by slot order.
+Layers share a *group* when they keep the same span of history: Gemma 3's local layers only
+need their sliding window, so their group is a small ring; global layers (and every Llama
+layer) use the context-sized group. A group's slots are
+
+    [0, n_keep)            the first n_keep tokens ever evaluated (attention sinks), kept for good
+    [n_keep, n_slots)      a ring for the rest: position p lives in slot n_keep + (p - n_keep) % ring
+
+kv_pos (n_slots,) maps slot -> logical position (-1 = empty); attention masks by position (causal,
+sliding window), never by slot order, and RoPE uses the logical position. Once a ring wraps, the
+oldest tokens are forgotten: decoding goes on with flat memory however long it runs.
 """
 from __future__ import annotations
 
 import numpy as np
 
 
-class KVCache:
-    def __init__(self, n_layer: int, n_slots: int, n_head_kv: int, head_dim: int):
-        self.n_slots = n_slots
-        # (layer) x (S, Hkv, D) float32 holding f16-rounded values
-        self.k = [np.zeros((n_slots, n_head_kv, head_dim), np.float32) for _ in range(n_layer)]
-        self.v = [np.zeros((n_slots, n_head_kv, head_dim), np.float32) for _ in range(n_layer)]
-        self.kv_pos = [np.full(n_slots, -1, np.int64) for _ in range(n_layer)]
-        self.n_past = 0  # tokens evaluated so far: the next token's position
+class CacheGroup:
+    def __init__(self, n_slots: int, n_keep: int):
+        if n_keep >= n_slots:
+            raise ValueError(f"n_keep {n_keep} must be smaller than the cache size {n_slots}")
+        self.n_slots, self.n_keep = n_slots, n_keep
+        self.kv_pos = np.full(n_slots, -1, np.int64)  # (S,) logical position held by each slot
 
-    def reserve(self, n: int):
-        """Positions and slots for the next n tokens."""
-        if self.n_past + n > self.n_slots:
-            raise ValueError(f"KV cache full: {self.n_past} + {n} tokens > {self.n_slots} slots")
+    def slots_for(self, positions: np.ndarray) -> np.ndarray:
+        ring = self.n_slots - self.n_keep
+        return np.where(positions < self.n_keep, positions,
+                        self.n_keep + (positions - self.n_keep) % ring)
+
+    def n_used(self) -> int:
+        """Slots [0, n_used) hold every cached token (the attention kernel scans these)."""
+        used = np.flatnonzero(self.kv_pos >= 0)
+        return int(used[-1]) + 1 if used.size else 0
+
+
+class KVCache:
+    """Keys and values for every layer; `layer_groups[il]` names the group of layer il."""
+
+    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, group_sizes: dict[str, int],
+                 layer_groups: list[str], n_keep: int = 0):
+        # sinks only matter where attention is unlimited; windowed groups never see them
+        self.groups = {name: CacheGroup(size, min(n_keep, size // 2) if name == "global" else 0)
+                       for name, size in group_sizes.items()}
+        self.layer_groups = layer_groups
+        # per layer: (S, Hkv, D) float32 holding f16-rounded values, S = its group's size
+        self.k = [np.zeros((group_sizes[g], n_head_kv, head_dim), np.float32) for g in layer_groups]
+        self.v = [np.zeros((group_sizes[g], n_head_kv, head_dim), np.float32) for g in layer_groups]
+        self.n_past = 0      # tokens evaluated so far: the next token's logical position
+        self._slots = {}     # group -> slots of the batch being evaluated
+
+    @property
+    def n_ctx(self) -> int:
+        return max(g.n_slots for g in self.groups.values())
+
+    @property
+    def wrapped(self) -> bool:
+        """True once some tokens have been forgotten by a ring."""
+        return any(self.n_past > g.n_slots for g in self.groups.values())
+
+    def reserve(self, n: int) -> np.ndarray:
+        """Positions of the next n tokens; computes each group's slots for them."""
         positions = np.arange(self.n_past, self.n_past + n, dtype=np.int64)
-        return positions, positions.copy()
+        for name, group in self.groups.items():
+            if n > group.n_slots - group.n_keep:
+                raise ValueError(f"a batch of {n} tokens does not fit the {name} cache ring")
+            self._slots[name] = group.slots_for(positions)
+        return positions
 
     def commit(self, n: int) -> None:
         self.n_past += n
 
     def layer(self, il: int):
-        return self.k[il], self.v[il], self.kv_pos[il]
+        """(k (S, Hkv, D), v (S, Hkv, D), kv_pos (S,), slots of this batch) for layer il."""
+        name = self.layer_groups[il]
+        return self.k[il], self.v[il], self.groups[name].kv_pos, self._slots[name]
 
-    def n_used(self, il: int, slots: np.ndarray) -> int:
-        return int(max(self.n_past, slots.max() + 1))
+    def truncate(self, n: int) -> None:
+        """Forget every token at position >= n (to re-evaluate from there)."""
+        if self.wrapped and n < self.n_past:
+            raise ValueError("cannot rewind a cache whose ring has wrapped")
+        for group in self.groups.values():
+            group.kv_pos[group.kv_pos >= n] = -1
+        self.n_past = min(self.n_past, n)
+
+    def clear(self) -> None:
+        self.truncate(0)

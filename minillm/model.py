@@ -32,15 +32,18 @@ class Model:
         self.arch = get_architecture(self.gguf.architecture)(self.gguf)
         self.hp = self.arch.hp
         self.arch.load_weights(progress)
+        self._tokenizer = None
         self.load_seconds = time.perf_counter() - t0
 
     @property
     def n_vocab(self) -> int:
         return self.hp.n_vocab
 
-    def new_cache(self, n_ctx: int) -> KVCache:
+    def new_cache(self, n_ctx: int, n_keep: int = 0, batch_size: int = DEFAULT_BATCH) -> KVCache:
+        """A KV cache of n_ctx positions (ring buffers: see kv_cache.py); n_keep sink tokens."""
         hp = self.hp
-        return KVCache(hp.n_layer, n_ctx, hp.n_head_kv, hp.head_dim)
+        sizes, layout = self.arch.cache_layout(n_ctx, min(batch_size, n_ctx))
+        return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, sizes, layout, n_keep)
 
     def eval(self, ids, cache: KVCache, logits_from: int = 0, batch_size: int = DEFAULT_BATCH) -> np.ndarray:
         """Append ids to cache in batches; logits (len(ids) - logits_from, n_vocab)."""
@@ -62,12 +65,72 @@ class Model:
         cache = self.new_cache(max(1, len(ids)))
         return self.eval(ids, cache, start, batch_size)
 
+    # -- text ------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from .tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_gguf(self.gguf)
+        return self._tokenizer
+
+    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
+        return self.tokenizer.tokenize(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids) -> str:
+        return self.tokenizer.detokenize(ids)
+
+    def chat_template(self, override_path=None):
+        """The model's chat template (or --chat-template FILE, or the plain format)."""
+        from .chat_template import ChatTemplate
+
+        return ChatTemplate.for_model(self.tokenizer, override_path)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            template_path=None) -> str:
+        return self.chat_template(template_path).render(messages, add_generation_prompt=add_generation_prompt)
+
+    def prompt_ids(self, prompt: str | list[dict], template_path=None) -> list[int]:
+        """Token ids for a raw prompt (str) or a conversation (list of {role, content}), with
+        the model's default BOS and special tokens parsed, as llama.cpp does."""
+        if not isinstance(prompt, str):
+            prompt = self.apply_chat_template(prompt, template_path=template_path)
+        return self.tokenize(prompt, special=True)
+
+    def generate(self, prompt: str | list[dict], max_tokens: int = 128, stream: bool = False,
+                 stop: list[str] = (), n_ctx: int | None = None, truncate: bool = False, **sampling):
+        """Generate from a prompt or a conversation. stream=True yields Chunk objects as they
+        come; otherwise returns a Result with the whole text. sampling: SamplingParams fields."""
+        from .generate import Session
+        from .sampling import SamplingParams
+
+        session = Session(self, n_ctx=n_ctx)
+        chunks = session.generate(self.prompt_ids(prompt), max_tokens, SamplingParams(**sampling),
+                                  stop=list(stop), truncate=truncate)
+        return chunks if stream else Result.collect(chunks)
+
     def check_ids(self, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.n_vocab):
             bad = int(ids[(ids < 0) | (ids >= self.n_vocab)][0])
             raise MinillmError(f"token id {bad} is outside the vocabulary (0..{self.n_vocab - 1})")
         return ids
+
+
+class Result:
+    """A whole (non-streamed) generation."""
+
+    def __init__(self, text: str, tokens: list[int], finish_reason: str, timings):
+        self.text, self.tokens, self.finish_reason, self.timings = text, tokens, finish_reason, timings
+
+    @classmethod
+    def collect(cls, chunks) -> "Result":
+        parts, tokens, last = [], [], None
+        for last in chunks:
+            parts.append(last.text)
+            if last.token is not None:
+                tokens.append(last.token)
+        return cls("".join(parts), tokens, last.finish_reason, last.timings)
 
 
 def load(path: str | os.PathLike, threads: int | None = None, progress=None) -> Model:

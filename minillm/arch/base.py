@@ -161,12 +161,16 @@ class Transformer:
         return dequantize(info.format, np.ascontiguousarray(raw[ids]), info.shape[0]).copy()
 
     # -- forward ---------------------------------------------------------------------
+    def cache_layout(self, n_ctx: int, n_batch: int) -> tuple[dict[str, int], list[str]]:
+        """Cache group sizes and each layer's group: by default one context-sized group."""
+        return {"global": n_ctx}, ["global"] * self.hp.n_layer
+
     def forward(self, ids: np.ndarray, cache, logits_from: int) -> np.ndarray:
         """Evaluate ids at the cache's next positions; logits (T - logits_from, V)."""
-        positions, slots = cache.reserve(len(ids))
+        positions = cache.reserve(len(ids))
         x = self.embed(ids)
         for il, layer in enumerate(self.layers):
-            x = self.layer_forward(il, layer, x, positions, slots, cache)
+            x = self.layer_forward(il, layer, x, positions, cache)
         cache.commit(len(ids))
         x = x[logits_from:]
         if x.shape[0] == 0:
@@ -178,7 +182,7 @@ class Transformer:
     def finish_logits(self, logits: np.ndarray) -> np.ndarray:
         return logits
 
-    def layer_forward(self, il, layer, x, positions, slots, cache):
+    def layer_forward(self, il, layer, x, positions, cache):
         raise NotImplementedError
 
     # helpers for layers
@@ -195,12 +199,12 @@ class Transformer:
         ops.rope_angles(positions, hp.rope_dims, np.float32(base), np.float32(scale), cos_t, sin_t)
         ops.rope(x, n_heads, hp.head_dim, hp.rope_dims, cos_t, sin_t, self.rope_neox)
 
-    def attend(self, il, q, k, v, positions, slots, cache, scale: float, window: int = 0):
+    def attend(self, il, q, k, v, positions, cache, scale: float, window: int = 0):
         hp = self.hp
-        kc, vc, kv_pos = cache.layer(il)
+        kc, vc, kv_pos, slots = cache.layer(il)
         ops.store_kv(k, v, slots, hp.n_head_kv, hp.head_dim, kc, vc)
         kv_pos[slots] = positions
+        n_used = int(slots.max()) + 1 if cache.n_past + len(slots) <= len(kv_pos) else len(kv_pos)
         out = np.empty((q.shape[0], hp.n_head * hp.head_dim), np.float32)
-        ops.attention(q, positions, kc, vc, kv_pos, cache.n_used(il, slots), window,
-                      np.float32(scale), hp.n_head, out)
+        ops.attention(q, positions, kc, vc, kv_pos, n_used, window, np.float32(scale), hp.n_head, out)
         return out

@@ -33,6 +33,14 @@ class Gemma3(Transformer):
     def is_local(self, il: int) -> bool:
         return self.window > 0 and il % SWA_PATTERN < SWA_PATTERN - 1
 
+    def cache_layout(self, n_ctx, n_batch):
+        """Local layers keep only their window (plus room for one batch) in a small ring."""
+        layout = ["local" if self.is_local(il) else "global" for il in range(self.hp.n_layer)]
+        sizes = {"global": n_ctx}
+        if "local" in layout:
+            sizes["local"] = min(n_ctx, self.window + n_batch)
+        return sizes, layout
+
     def layer_tensors(self, il):
         hp = self.hp
         shapes = super().layer_tensors(il)
@@ -46,7 +54,7 @@ class Gemma3(Transformer):
         x = super().embed(ids)
         return x * np.float32(math.sqrt(self.hp.n_embd))
 
-    def layer_forward(self, il, w, x, positions, slots, cache):
+    def layer_forward(self, il, w, x, positions, cache):
         hp = self.hp
         T, D = x.shape[0], hp.head_dim
         act = Activations(self.norm(x, w["attn_norm"]))
@@ -59,7 +67,7 @@ class Gemma3(Transformer):
         self.rope(q, hp.n_head, positions, base, scale)
         self.rope(k, hp.n_head_kv, positions, base, scale)
         q *= np.float32(self.attn_scale)
-        attn = self.attend(il, q, k, v, positions, slots, cache, 1.0, self.window if local else 0)
+        attn = self.attend(il, q, k, v, positions, cache, 1.0, self.window if local else 0)
         x = x + self.norm(matmul(w["attn_output"], Activations(attn)), w["post_attention_norm"])
 
         act = Activations(self.norm(x, w["ffn_norm"]))

@@ -14,13 +14,13 @@ class Llama(Transformer):
     name = "llama"
     rope_neox = False  # the converter permutes Q/K so that rotation is on adjacent pairs
 
-    def layer_forward(self, il, w, x, positions, slots, cache):
+    def layer_forward(self, il, w, x, positions, cache):
         hp = self.hp
         act = Activations(self.norm(x, w["attn_norm"]))
         q, k, v = matmul(w["attn_q"], act), matmul(w["attn_k"], act), matmul(w["attn_v"], act)
         self.rope(q, hp.n_head, positions, hp.rope_base)
         self.rope(k, hp.n_head_kv, positions, hp.rope_base)
-        attn = self.attend(il, q, k, v, positions, slots, cache, 1.0 / math.sqrt(hp.head_dim))
+        attn = self.attend(il, q, k, v, positions, cache, 1.0 / math.sqrt(hp.head_dim))
         x = x + matmul(w["attn_output"], Activations(attn))
 
         act = Activations(self.norm(x, w["ffn_norm"]))

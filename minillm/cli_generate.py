@@ -1,0 +1,112 @@
+"""`minillm generate`: one-shot generation that shell scripts can rely on. stdout carries only
+the generated text (streamed); notices and timings go to stderr; --json prints one object."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def _err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty,
+                     frequency_penalty, seed) -> dict:
+    return dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty, seed=seed)
+
+
+def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
+    from .errors import MinillmError
+
+    if prompt is not None and file is not None:
+        raise typer.BadParameter("give either -p or -f, not both")
+    if prompt is not None:
+        return prompt
+    if file is not None:
+        try:
+            return file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise MinillmError(f"cannot read prompt file {file}: {exc}") from None
+    if sys.stdin is None or sys.stdin.isatty():
+        raise typer.BadParameter("no prompt: give -p TEXT, -f FILE, or pipe text on stdin")
+    return sys.stdin.read()
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def generate(
+        model: Path = typer.Argument(..., help="Path to a .gguf model file.", show_default=False),
+        prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
+        file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file."),
+        n_predict: int = typer.Option(256, "-n", "--n-predict", min=0, max=1 << 24, help="Tokens to generate at most."),
+        temp: float = typer.Option(0.8, "--temp", min=0.0, max=100.0, help="Temperature; 0 is greedy."),
+        top_k: int = typer.Option(40, "--top-k", min=0, help="Top-k (0: off)."),
+        top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="Top-p (1: off)."),
+        min_p: float = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="Min-p (0: off)."),
+        repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", min=0.0, help="Repetition penalty (1: off)."),
+        repeat_last_n: int = typer.Option(64, "--repeat-last-n", min=-1, help="Tokens the penalties look back (-1: all)."),
+        presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="Presence penalty."),
+        frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="Frequency penalty."),
+        seed: Optional[int] = typer.Option(None, "--seed", min=0, max=2**63 - 1, help="Random seed (default: random)."),
+        stop: List[str] = typer.Option([], "--stop", help="Stop at this text (repeatable)."),
+        ctx: Optional[int] = typer.Option(None, "-c", "--ctx", min=16, max=1 << 20, help="Context size (default: min(4096, the model's))."),
+        threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=1024, help="Threads (default: all cores)."),
+        chat: bool = typer.Option(False, "--chat", help="Send the prompt as one user message through the chat template."),
+        system: Optional[str] = typer.Option(None, "--system", help="System message (implies --chat)."),
+        chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="Jinja chat template file to use instead of the model's."),
+        truncate: bool = typer.Option(False, "--truncate", help="Keep the end of a prompt longer than the context."),
+        as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+        verbose: bool = typer.Option(False, "-v", "--verbose", help="Timings and notices on stderr."),
+    ):
+        """Generate text from a prompt (-p, -f or stdin)."""
+        import random
+
+        from .generate import Session
+        from .model import Model
+        from .sampling import SamplingParams
+
+        text = read_prompt(prompt, file)
+        seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
+        params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
+                                                   presence_penalty, frequency_penalty, seed))
+        m = Model(model, threads=threads)
+        if chat or system is not None or chat_template is not None:
+            messages = ([{"role": "system", "content": system}] if system is not None else [])
+            messages.append({"role": "user", "content": text})
+            ids = m.prompt_ids(messages, template_path=chat_template)
+        else:
+            ids = m.prompt_ids(text)
+        session = Session(m, n_ctx=ctx)
+        pieces, tokens, last, wrote = [], [], None, False
+        for last in session.generate(ids, n_predict, params, stop=stop, truncate=truncate):
+            if last.token is not None:
+                tokens.append(last.token)
+            if as_json:
+                pieces.append(last.text)
+            elif last.text:
+                sys.stdout.write(last.text)
+                sys.stdout.flush()
+                wrote = True
+        t = last.timings
+        if as_json:
+            print(json.dumps({
+                "text": "".join(pieces), "finish_reason": last.finish_reason, "seed": seed,
+                "prompt_tokens": len(ids), "generated_tokens": t.n_generated, "tokens": tokens,
+                "prompt_tokens_per_s": round(t.prompt_tokens_per_s, 2),
+                "generate_tokens_per_s": round(t.generate_tokens_per_s, 2),
+                "load_s": round(m.load_seconds, 3),
+            }, ensure_ascii=False))
+        else:
+            if wrote:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+        if verbose:
+            _err(f"prompt: {len(ids)} tokens ({t.n_prompt} evaluated) at {t.prompt_tokens_per_s:.1f} tok/s; "
+                 f"generated {t.n_generated} tokens at {t.generate_tokens_per_s:.1f} tok/s; "
+                 f"finish: {last.finish_reason}; seed {seed}; load {m.load_seconds:.2f} s")

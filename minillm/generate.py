@@ -1,0 +1,150 @@
+"""The generation loop: prefill the prompt, then sample one token at a time, streaming
+small results (text piece, token, finish reason, timings) as they come."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from .errors import MinillmError
+from .sampling import Sampler, SamplingParams
+
+N_KEEP = 4  # attention-sink tokens kept when decoding runs past the context
+
+
+@dataclass
+class Timings:
+    n_prompt: int = 0          # prompt tokens evaluated (after reuse of the cache)
+    n_generated: int = 0
+    prompt_s: float = 0.0
+    generate_s: float = 0.0
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.n_prompt / self.prompt_s if self.prompt_s else 0.0
+
+    @property
+    def generate_tokens_per_s(self) -> float:
+        return self.n_generated / self.generate_s if self.generate_s else 0.0
+
+
+@dataclass
+class Chunk:
+    """One step of a streamed generation."""
+    text: str                          # new text (may be empty while a stop string is pending)
+    token: int | None                  # the sampled token id (None on the final chunk)
+    finish_reason: str | None = None   # "stop" (end token or stop string) or "length"
+    timings: Timings = field(default_factory=Timings)
+
+
+class StopMatcher:
+    """Holds back text that could still become a stop string; reports when one appears."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit, whether a stop string was found)."""
+        self.pending += text
+        for stop in self.stops:
+            at = self.pending.find(stop)
+            if at >= 0:
+                out, self.pending = self.pending[:at], ""
+                return out, True
+        hold = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(stop[:n]):
+                    hold = max(hold, n)
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Session:
+    """A model, its tokenizer and one KV cache; keeps the evaluated tokens so that a new
+    prompt sharing a prefix with them (the next chat turn) only evaluates what is new."""
+
+    def __init__(self, model, n_ctx: int | None = None, batch_size: int = 512):
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.n_ctx = n_ctx or min(4096, model.hp.n_ctx_train)
+        self.batch_size = min(batch_size, self.n_ctx - N_KEEP)
+        self.cache = model.new_cache(self.n_ctx, n_keep=N_KEEP, batch_size=self.batch_size)
+        self.tokens: list[int] = []  # every token evaluated into the cache, in order
+
+    def reset(self) -> None:
+        self.cache.clear()
+        self.tokens = []
+
+    def check_prompt(self, ids: list[int], truncate: bool) -> list[int]:
+        limit = self.n_ctx - 1
+        if len(ids) > limit:
+            if not truncate:
+                raise MinillmError(f"the prompt is {len(ids)} tokens, longer than the context of "
+                                   f"{self.n_ctx} (at most {limit}); raise --ctx or use --truncate")
+            ids = ids[len(ids) - limit:]
+        return ids
+
+    def _prefill(self, ids: list[int]) -> np.ndarray:
+        """Evaluate ids after the longest cached prefix; the logits of the last token."""
+        reuse = 0
+        if not self.cache.wrapped:
+            while reuse < min(len(ids) - 1, len(self.tokens)) and ids[reuse] == self.tokens[reuse]:
+                reuse += 1
+        if reuse < len(self.tokens):
+            if self.cache.wrapped:
+                reuse = 0
+                self.cache.clear()
+            else:
+                self.cache.truncate(reuse)
+            del self.tokens[reuse:]
+        logits = self.model.eval(ids[reuse:], self.cache, logits_from=len(ids) - reuse - 1,
+                                 batch_size=self.batch_size)
+        self.tokens.extend(ids[reuse:])
+        self.n_evaluated = len(ids) - reuse
+        return logits[-1]
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,
+                 stop: list[str] = (), truncate: bool = False) -> Iterator[Chunk]:
+        """Stream the continuation of prompt_ids (see Chunk); the last chunk has a finish_reason."""
+        params = params or SamplingParams()
+        sampler = Sampler(params)
+        prompt_ids = self.check_prompt(list(prompt_ids), truncate)
+        timings = Timings()
+        t0 = time.perf_counter()
+        logits = self._prefill(prompt_ids)
+        timings.n_prompt, timings.prompt_s = self.n_evaluated, time.perf_counter() - t0
+        decoder = self.tokenizer.stream_decoder()
+        stops = StopMatcher(list(stop))
+        eog = self.tokenizer.eog_ids
+        history = list(prompt_ids)
+        t1 = time.perf_counter()
+        finish = "length"
+        for _ in range(max_tokens):
+            token = sampler(logits, history)
+            if token in eog:
+                finish = "stop"
+                break
+            history.append(token)
+            timings.n_generated += 1
+            text, stopped = stops.push(decoder.feed(token))
+            if stopped:
+                timings.generate_s = time.perf_counter() - t1
+                yield Chunk(text, token, "stop", timings)
+                return
+            timings.generate_s = time.perf_counter() - t1
+            yield Chunk(text, token, None, timings)
+            logits = self.model.eval([token], self.cache, batch_size=1)[-1]
+            self.tokens.append(token)
+        text, _ = stops.push(decoder.flush())
+        timings.generate_s = time.perf_counter() - t1
+        yield Chunk(text + stops.flush(), None, finish, timings)

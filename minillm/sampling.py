@@ -1,0 +1,73 @@
+"""Token sampling, in llama.cpp's default order:
+penalties -> top-k -> top-p -> min-p -> temperature -> draw (greedy when temperature <= 0)."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Sampler:
+    """Chooses the next token from logits (n_vocab,), reproducibly for a given seed."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray, history: list[int]) -> int:
+        p = self.params
+        logits = self._penalize(logits, history)
+        if p.temperature <= 0:
+            return int(np.argmax(logits))
+        ids = np.arange(logits.shape[0])
+        if 0 < p.top_k < logits.shape[0]:
+            ids = np.argpartition(-logits, p.top_k - 1)[:p.top_k]
+        order = np.argsort(-logits[ids], kind="stable")
+        ids = ids[order]
+        values = logits[ids].astype(np.float64)
+        probs = _softmax(values)
+        if p.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
+            ids, values, probs = ids[:keep], values[:keep], probs[:keep]
+        if p.min_p > 0.0:
+            keep = probs >= p.min_p * probs[0]
+            ids, values = ids[keep], values[keep]
+        probs = _softmax(values / p.temperature)
+        return int(ids[self.rng.choice(len(ids), p=probs)])
+
+    def _penalize(self, logits: np.ndarray, history: list[int]) -> np.ndarray:
+        p = self.params
+        if p.repeat_last_n == 0 or not history or (
+                p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
+            return logits
+        window = history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history
+        counts = Counter(window)
+        logits = logits.copy()
+        ids = np.fromiter(counts.keys(), dtype=np.int64)
+        n = np.fromiter(counts.values(), dtype=np.float32)
+        seen = logits[ids]
+        seen = np.where(seen > 0, seen / p.repeat_penalty, seen * p.repeat_penalty)
+        logits[ids] = seen - n * p.frequency_penalty - p.presence_penalty
+        return logits
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
