@@ -29,7 +29,7 @@ bench: install models
 	$(VENV)/bin/minillm bench models/gemma-3-270m-q4_k_m.gguf -p 512 -n 128
 
 run: install models
-	$(VENV)/bin/minillm info $(DEFAULT_MODEL)
+	$(VENV)/bin/minillm generate $(DEFAULT_MODEL) --chat --temp 0 -n 64 -p "Write one sentence about the sea."
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -22,9 +22,9 @@ class QMatrix:
 
     def __call__(self, act: "Activations") -> np.ndarray:
         """out (T, n_rows) = x @ W.T, with act holding x quantized for this matrix's kind."""
-        xd, xs = (act.d16, act.s16) if self.group == 16 else (act.d32, act.s32)
+        xd, xs, xn = (act.d16, act.s16, act.n16) if self.group == 16 else (act.d32, act.s32, act.n32)
         out = np.empty((act.q.shape[0], self.n_rows), dtype=np.float32)
-        mm.qmatmul_tiles(self.data, self.scale, self.bias, self.group, act.q, xd, xs, out)
+        mm.qmatmul_tiles(self.data, self.scale, self.bias, self.group, act.q.reshape(-1), xd, xs, xn, out)
         return out
 
 
@@ -62,9 +62,11 @@ class Activations:
             self.q = np.empty((T, K), np.int8)
             self.d16 = np.empty((T, K // 16), np.float32)
             self.s16 = np.empty((T, K // 16), np.float32)
+            self.n16 = np.empty((T, K // 16), np.int32)
             self.d32 = np.empty((T, K // 32), np.float32)
             self.s32 = np.empty((T, K // 32), np.float32)
-            mm.quantize_act(self.x, w.kind, self.q, self.d16, self.s16, self.d32, self.s32)
+            self.n32 = np.empty((T, K // 32), np.int32)
+            mm.quantize_act(self.x, w.kind, self.q, self.d16, self.s16, self.n16, self.d32, self.s32, self.n32)
             self.kind = w.kind
         return self
 

@@ -1,24 +1,26 @@
 """Quantized matrix products with activations quantized at run time, as llama.cpp does.
 
 Weights use the uniform layout of minillm.formats, repacked once at load into tiles of
-R = 32 rows ("rows as lanes"), so that the innermost loop runs over 32 rows at once:
+R = 32 rows ("rows as lanes"), so that one instruction works on all 32 rows at once:
 
-    data  int8    (NT, K/2, 2R)  data[t, k2, 2r + e] = q[t*R + r, 2*k2 + e]
-    scale float32 (NT, K/G, R)   scale of group g of row t*R + r
+    data  uint8   (NT * K/4 * 4R,) flat: tile nt, column quad k4, row r, byte j holds
+                  q[nt*R + r, 4*k4 + j] + 128 at ((nt * K/4 + k4) * R + r) * 4 + j
+    scale float32 (NT, K/G, R)   scale of group g of row nt*R + r
     bias  float32 (NT, K/G, R)   or (NT, 0, R) for formats without a min
 
 Activations x (T, K) are quantized per llama.cpp's pairing (Q8_0, Q8_1 or Q8_K) into
-    xq int8 (T, K); d16/s16 (T, K/16) and d32/s32 (T, K/32): the activation scale of each
-    group's block and d * sum(q) over the group
-and out[t, n] = sum_g scale[n, g] * d[t, g] * isum(n, t, g) (+ bias[n, g] * s[t, g]),
-the integer sum of a group staying in int32 as in ggml's vec_dot kernels.
+    xq int8 (T, K); per 16- and 32-group: d (the activation scale of the group's block),
+    s = d * sum(q) and n = sum(q) (int32)
+and out[t, n] = sum_g scale[n, g] * d[t, g] * isum(n, t, g) (+ bias[n, g] * s[t, g]), with
+isum = sum_k (q_w + 128) * q_x - 128 * sum_k q_x computed in int32 (vnni.tile_dot), as exact
+as ggml's integer dot products.
 """
 import numba as nb
 import numpy as np
 
 from .f16 import f16_round
+from .vnni import R, tile_dot
 
-R = 32  # rows per tile
 KIND_Q8_0, KIND_Q8_1, KIND_Q8_K = 0, 1, 2
 KIND_IDS = {"q8_0": KIND_Q8_0, "q8_1": KIND_Q8_1, "q8_k": KIND_Q8_K}
 
@@ -67,7 +69,7 @@ def _quantize_row_q8_k(x, q, d32, s32):
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def quantize_act(x, kind, xq, d16, s16, d32, s32):
+def quantize_act(x, kind, xq, d16, s16, n16, d32, s32, n32):
     """x (T, K) float32 -> xq (T, K) int8 and per-group scales/sums (see module doc)."""
     T, K = x.shape
     for t in nb.prange(T):
@@ -79,46 +81,39 @@ def quantize_act(x, kind, xq, d16, s16, d32, s32):
             total = np.int32(0)
             for j in range(16):
                 total += np.int32(xq[t, g * 16 + j])
+            n16[t, g] = total
             d16[t, g] = d32[t, g // 2]
             s16[t, g] = d16[t, g] * np.float32(total)
+        for g in range(K // 32):
+            n32[t, g] = n16[t, 2 * g] + n16[t, 2 * g + 1]
 
 
 @nb.njit(**_PAR)
-def qmatmul_tiles(data, scale, bias, G, xq, xd, xs, out):
-    """out (T, N) = x @ W.T for W in tiles; xd/xs (T, K/G) for W's group size G."""
-    NT, K2, R2 = data.shape
-    T = xq.shape[0]
-    N = out.shape[1]
+def qmatmul_tiles(data, scale, bias, G, xq, xd, xs, xn, out):
+    """out (T, N) = x @ W.T for W in tiles; xq (T*K,) flat; xd/xs/xn (T, K/G) for W's group G."""
+    NT, ng = scale.shape[0], scale.shape[1]
+    T, N = out.shape
+    K = ng * G
+    steps = G // 4
     has_bias = bias.shape[1] > 0
-    G2 = G // 2
-    ng = K2 // G2
     for nt in nb.prange(NT):
-        tile = data[nt]
-        facc = np.empty(R, np.float32)
         iacc = np.empty(R, np.int32)
+        facc = np.empty(R, np.float32)
         for t in range(T):
-            x = xq[t]
             facc[:] = 0
             for g in range(ng):
-                iacc[:] = 0
-                for j in range(G2):
-                    k2 = g * G2 + j
-                    x0 = np.int16(x[2 * k2])
-                    x1 = np.int16(x[2 * k2 + 1])
-                    wk = tile[k2]
-                    for r in range(R):
-                        iacc[r] = np.int32(iacc[r] + np.int32(np.int16(wk[2 * r]) * x0)
-                                           + np.int32(np.int16(wk[2 * r + 1]) * x1))
+                tile_dot(data, (nt * (K // 4) + g * steps) * 4 * R, xq, t * K + g * G, steps, iacc)
+                shift = np.int32(128) * xn[t, g]
                 sd = xd[t, g]
                 sc = scale[nt, g]
                 if has_bias:
                     ss = xs[t, g]
                     bs = bias[nt, g]
                     for r in range(R):
-                        facc[r] += sc[r] * sd * np.float32(iacc[r]) + bs[r] * ss
+                        facc[r] += sc[r] * sd * np.float32(iacc[r] - shift) + bs[r] * ss
                 else:
                     for r in range(R):
-                        facc[r] += sc[r] * sd * np.float32(iacc[r])
+                        facc[r] += sc[r] * sd * np.float32(iacc[r] - shift)
             n0 = nt * R
             for r in range(min(R, N - n0)):
                 out[t, n0 + r] = facc[r]
@@ -127,15 +122,14 @@ def qmatmul_tiles(data, scale, bias, G, xq, xd, xs, out):
 @nb.njit(parallel=True, cache=True, nogil=True)
 def _tile_rows(q, scale, bias, data, scale_t, bias_t):
     N, K = q.shape
-    NT = data.shape[0]
+    NT = scale_t.shape[0]
     for nt in nb.prange(NT):
         for r in range(R):
             n = nt * R + r
             if n >= N:
-                continue  # padding rows stay zero
-            for k2 in range(K // 2):
-                data[nt, k2, 2 * r] = q[n, 2 * k2]
-                data[nt, k2, 2 * r + 1] = q[n, 2 * k2 + 1]
+                continue  # padding rows: code 0 (stored 128), scale 0
+            for k in range(K):
+                data[((nt * (K // 4) + k // 4) * R + r) * 4 + k % 4] = np.uint8(np.int32(q[n, k]) + 128)
             for g in range(scale.shape[1]):
                 scale_t[nt, g, r] = scale[n, g]
             for g in range(bias.shape[1]):
@@ -143,10 +137,10 @@ def _tile_rows(q, scale, bias, data, scale_t, bias_t):
 
 
 def repack(q: np.ndarray, scale: np.ndarray, bias: np.ndarray):
-    """Uniform layout (N, K) -> tiles of R rows (rows padded with zeros to a multiple of R)."""
+    """Uniform layout (N, K) -> tiles of R rows (rows padded to a multiple of R)."""
     N, K = q.shape
     NT = (N + R - 1) // R
-    data = np.zeros((NT, K // 2, 2 * R), np.int8)
+    data = np.full(NT * K * R, 128, np.uint8)
     scale_t = np.zeros((NT, scale.shape[1], R), np.float32)
     bias_t = np.zeros((NT, bias.shape[1], R), np.float32)
     _tile_rows(q, scale, bias, data, scale_t, bias_t)
