@@ -71,9 +71,9 @@ def bench(
 
 
 def _register_commands() -> None:
-    from . import cli_generate, cli_tokenize
+    from . import cli_chat, cli_generate, cli_tokenize
 
-    for module in (cli_generate, cli_tokenize):
+    for module in (cli_generate, cli_chat, cli_tokenize):
         module.register(app)
 
 

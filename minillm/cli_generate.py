@@ -61,6 +61,7 @@ def register(app: typer.Typer) -> None:
         system: Optional[str] = typer.Option(None, "--system", help="System message (implies --chat)."),
         chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="Jinja chat template file to use instead of the model's."),
         truncate: bool = typer.Option(False, "--truncate", help="Keep the end of a prompt longer than the context."),
+        ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at end-of-generation tokens."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Timings and notices on stderr."),
     ):
@@ -84,7 +85,8 @@ def register(app: typer.Typer) -> None:
             ids = m.prompt_ids(text)
         session = Session(m, n_ctx=ctx)
         pieces, tokens, last, wrote = [], [], None, False
-        for last in session.generate(ids, n_predict, params, stop=stop, truncate=truncate):
+        for last in session.generate(ids, n_predict, params, stop=stop, truncate=truncate,
+                                         ignore_eos=ignore_eos):
             if last.token is not None:
                 tokens.append(last.token)
             if as_json:

@@ -114,8 +114,9 @@ class Session:
         return logits[-1]
 
     def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,
-                 stop: list[str] = (), truncate: bool = False) -> Iterator[Chunk]:
-        """Stream the continuation of prompt_ids (see Chunk); the last chunk has a finish_reason."""
+                 stop: list[str] = (), truncate: bool = False, ignore_eos: bool = False) -> Iterator[Chunk]:
+        """Stream the continuation of prompt_ids (see Chunk); the last chunk has a finish_reason.
+        ignore_eos: keep going through end-of-generation tokens (for benchmarks)."""
         params = params or SamplingParams()
         sampler = Sampler(params)
         prompt_ids = self.check_prompt(list(prompt_ids), truncate)
@@ -125,7 +126,7 @@ class Session:
         timings.n_prompt, timings.prompt_s = self.n_evaluated, time.perf_counter() - t0
         decoder = self.tokenizer.stream_decoder()
         stops = StopMatcher(list(stop))
-        eog = self.tokenizer.eog_ids
+        eog = set() if ignore_eos else self.tokenizer.eog_ids
         history = list(prompt_ids)
         t1 = time.perf_counter()
         finish = "length"

@@ -28,10 +28,12 @@ class CacheGroup:
         return np.where(positions < self.n_keep, positions,
                         self.n_keep + (positions - self.n_keep) % ring)
 
-    def n_used(self) -> int:
-        """Slots [0, n_used) hold every cached token (the attention kernel scans these)."""
-        used = np.flatnonzero(self.kv_pos >= 0)
-        return int(used[-1]) + 1 if used.size else 0
+    def scan_order(self, last_pos: int) -> tuple[int, int]:
+        """(n_used, ring_start) after writing up to position last_pos: slots [0, n_used) hold
+        every cached token, and the ring's oldest token is in slot n_keep + ring_start."""
+        if last_pos < self.n_slots:
+            return last_pos + 1, 0
+        return self.n_slots, (last_pos + 1 - self.n_keep) % (self.n_slots - self.n_keep)
 
 
 class KVCache:
@@ -71,9 +73,9 @@ class KVCache:
         self.n_past += n
 
     def layer(self, il: int):
-        """(k (S, Hkv, D), v (S, Hkv, D), kv_pos (S,), slots of this batch) for layer il."""
+        """(k (S, Hkv, D), v (S, Hkv, D), its CacheGroup, slots of this batch) for layer il."""
         name = self.layer_groups[il]
-        return self.k[il], self.v[il], self.groups[name].kv_pos, self._slots[name]
+        return self.k[il], self.v[il], self.groups[name], self._slots[name]
 
     def truncate(self, n: int) -> None:
         """Forget every token at position >= n (to re-evaluate from there)."""

@@ -132,13 +132,15 @@ def _mad_f16(acc, v, factor):
 
 
 @nb.njit(**_PAR)
-def attention(q, q_pos, kcache, vcache, kv_pos, n_used, window, scale, n_heads, out):
+def attention(q, q_pos, kcache, vcache, kv_pos, n_used, n_keep, ring_start, window, scale, n_heads, out):
     """Causal (optionally sliding-window) attention as ggml's CPU flash_attn_ext with F16 K/V.
 
     q (T, H*D) float32; kcache/vcache (S, Hkv, D) holding f16-rounded values; kv_pos (S,)
     the logical position in each slot (-1: empty); window 0 means unlimited, else a key at
     position p is visible from query position i when 0 <= i - p < window.
     Q is rounded to f16, scores in f32, online softmax in f32, the V sum kept in f16.
+    Keys are visited in chronological order (the order matters to the f16 sums): slots
+    [0, n_keep) first, then the ring [n_keep, n_used) starting at slot n_keep + ring_start.
     """
     T = q.shape[0]
     n_kv_heads, D = kcache.shape[1], kcache.shape[2]
@@ -153,7 +155,9 @@ def attention(q, q_pos, kcache, vcache, kv_pos, n_used, window, scale, n_heads, 
         pos = q_pos[t]
         m = np.float32(-np.inf)
         s_sum = np.float32(0.0)
-        for slot in range(n_used):
+        ring = n_used - n_keep
+        for i in range(n_used):
+            slot = i if i < n_keep else n_keep + (ring_start + i - n_keep) % ring
             p = kv_pos[slot]
             if p < 0 or p > pos or (window > 0 and pos - p >= window):
                 continue

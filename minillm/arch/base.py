@@ -201,10 +201,11 @@ class Transformer:
 
     def attend(self, il, q, k, v, positions, cache, scale: float, window: int = 0):
         hp = self.hp
-        kc, vc, kv_pos, slots = cache.layer(il)
+        kc, vc, group, slots = cache.layer(il)
         ops.store_kv(k, v, slots, hp.n_head_kv, hp.head_dim, kc, vc)
-        kv_pos[slots] = positions
-        n_used = int(slots.max()) + 1 if cache.n_past + len(slots) <= len(kv_pos) else len(kv_pos)
+        group.kv_pos[slots] = positions
+        n_used, ring_start = group.scan_order(int(positions[-1]))
         out = np.empty((q.shape[0], hp.n_head * hp.head_dim), np.float32)
-        ops.attention(q, positions, kc, vc, kv_pos, n_used, window, np.float32(scale), hp.n_head, out)
+        ops.attention(q, positions, kc, vc, group.kv_pos, n_used, group.n_keep, ring_start, window,
+                      np.float32(scale), hp.n_head, out)
         return out

@@ -1,0 +1,223 @@
+"""The terminal chat: a REPL over a Session that keeps its KV cache across turns."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from .errors import MinillmError
+from .generate import Session
+from .sampling import SamplingParams
+
+HELP = """Commands:
+  /help               this text
+  /clear              forget the conversation (keeps the system message)
+  /system TEXT        set the system message (and clear the conversation)
+  /set PARAM VALUE    change a setting: temperature, top_k, top_p, min_p, repeat_penalty,
+                      repeat_last_n, presence_penalty, frequency_penalty, seed, n_predict, verbose
+  /show               show the settings and the conversation length
+  /save FILE          save the conversation as JSON
+  /load FILE          load a conversation saved with /save
+  /exit               leave (Ctrl+D too; Ctrl+C stops a reply, twice at the prompt leaves)
+Enter \"\"\" to start and end a multi-line message."""
+
+INT_SETTINGS = {"top_k", "repeat_last_n", "seed", "n_predict"}
+FLOAT_SETTINGS = {"temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"}
+
+
+class Chat:
+    def __init__(self, model, params: SamplingParams, n_predict: int = 512, n_ctx: int | None = None,
+                 system: str | None = None, template_path=None, verbose: bool = False, out=sys.stdout):
+        self.model = model
+        self.session = Session(model, n_ctx=n_ctx)
+        self.template = model.chat_template(template_path)
+        self.params, self.n_predict, self.verbose = params, n_predict, verbose
+        self.system = system
+        self.messages: list[dict] = []
+        self.out = out
+
+    # -- conversation ------------------------------------------------------------------
+    def conversation(self) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.messages
+
+    def reply(self, text: str) -> str:
+        """Answer one user message, streaming it to out; Ctrl+C stops it early."""
+        self.messages.append({"role": "user", "content": text})
+        pieces, last = [], None
+        try:
+            prompt = self.template.render(self.conversation(), add_generation_prompt=True)
+            ids = self.model.tokenize(prompt, special=True)
+            for last in self.session.generate(ids, self.n_predict, self.params):
+                if last.text:
+                    pieces.append(last.text)
+                    self.out.write(last.text)
+                    self.out.flush()
+        except KeyboardInterrupt:
+            self.out.write(" [stopped]")
+        self.out.write("\n")
+        self.out.flush()
+        answer = "".join(pieces)
+        self.messages.append({"role": "assistant", "content": answer})
+        if self.verbose and last is not None:
+            t = last.timings
+            print(f"[{t.n_prompt} prompt tokens at {t.prompt_tokens_per_s:.1f} tok/s, {t.n_generated} "
+                  f"generated at {t.generate_tokens_per_s:.1f} tok/s]", file=sys.stderr, flush=True)
+        return answer
+
+    # -- commands ------------------------------------------------------------------------
+    def command(self, line: str) -> bool:
+        """Run a /command; False means leave."""
+        name, _, arg = line[1:].strip().partition(" ")
+        arg = arg.strip()
+        handler = getattr(self, f"cmd_{name}", None)
+        if handler is None:
+            self.say(f"unknown command /{name}; /help lists them")
+            return True
+        return handler(arg) is not False
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def cmd_help(self, arg):
+        self.say(HELP)
+
+    def cmd_exit(self, arg):
+        return False
+
+    cmd_bye = cmd_quit = cmd_exit
+
+    def cmd_clear(self, arg):
+        self.messages = []
+        self.session.reset()
+        self.say("conversation cleared")
+
+    def cmd_system(self, arg):
+        self.system = arg or None
+        self.messages = []
+        self.session.reset()
+        self.say("system message set" if arg else "system message removed")
+
+    def cmd_set(self, arg):
+        key, _, value = arg.partition(" ")
+        key = {"temp": "temperature"}.get(key, key)
+        try:
+            if key == "verbose":
+                self.verbose = value.strip().lower() in ("1", "on", "true", "yes")
+            elif key == "n_predict":
+                self.n_predict = int(value)
+            elif key in INT_SETTINGS:
+                setattr(self.params, key, int(value))
+            elif key in FLOAT_SETTINGS:
+                setattr(self.params, key, float(value))
+            else:
+                self.say(f"unknown setting '{key}'")
+                return
+        except ValueError:
+            self.say(f"'{value}' is not a valid value for {key}")
+            return
+        self.say(f"{key} = {value.strip()}")
+
+    def cmd_show(self, arg):
+        settings = dict(self.params.as_dict(), n_predict=self.n_predict, verbose=self.verbose)
+        self.say("\n".join(f"{k}: {v}" for k, v in settings.items()))
+        self.say(f"system: {self.system!r}\nmessages: {len(self.messages)}; "
+                 f"tokens in context: {len(self.session.tokens)} of {self.session.n_ctx}")
+
+    def cmd_save(self, arg):
+        if not arg:
+            self.say("usage: /save FILE")
+            return
+        try:
+            Path(arg).write_text(json.dumps({"system": self.system, "messages": self.messages},
+                                            ensure_ascii=False, indent=2), encoding="utf-8")
+        except OSError as exc:
+            self.say(f"cannot save to {arg}: {exc.strerror or exc}")
+            return
+        self.say(f"saved {len(self.messages)} messages to {arg}")
+
+    def cmd_load(self, arg):
+        try:
+            data = json.loads(Path(arg).read_text(encoding="utf-8"))
+            messages = data["messages"]
+            if not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                       and isinstance(m.get("content"), str) for m in messages):
+                raise ValueError("messages must be objects with string role and content")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.say(f"cannot load {arg}: {exc}")
+            return
+        self.system, self.messages = data.get("system"), messages
+        self.session.reset()
+        self.say(f"loaded {len(messages)} messages from {arg}")
+
+
+def read_message(prompt: str = ">>> ") -> str:
+    """One user message; \"\"\" starts and ends a multi-line one. Raises EOFError, KeyboardInterrupt."""
+    line = input(prompt)
+    if not line.strip().startswith('"""'):
+        return line
+    lines = [line.strip()[3:]]
+    if lines[0].endswith('"""'):
+        return lines[0][:-3]
+    while True:
+        more = input("... ")
+        if more.rstrip().endswith('"""'):
+            lines.append(more.rstrip()[:-3])
+            return "\n".join(lines).strip("\n")
+        lines.append(more)
+
+
+def setup_history() -> None:
+    try:
+        import readline
+    except ImportError:  # not on every platform; input() still works
+        return
+    home = Path(os.environ.get("MINILLM_HOME", Path.home() / ".minillm"))
+    history = home / "chat_history"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if history.exists():
+            readline.read_history_file(history)
+    except OSError:
+        return
+    import atexit
+
+    def save():
+        try:
+            readline.write_history_file(history)
+        except OSError:
+            pass
+
+    atexit.register(save)
+
+
+def repl(chat: Chat) -> None:
+    setup_history()
+    chat.say('Chatting with the model. /help for commands, Ctrl+D or /exit to leave.')
+    interrupted = False
+    while True:
+        try:
+            text = read_message()
+        except EOFError:
+            chat.say("")
+            return
+        except KeyboardInterrupt:
+            if interrupted:
+                chat.say("")
+                return
+            interrupted = True
+            chat.say("\n(Ctrl+C again or Ctrl+D to leave)")
+            continue
+        interrupted = False
+        if not text.strip():
+            continue
+        if text.startswith("/"):
+            if not chat.command(text):
+                return
+            continue
+        try:
+            chat.reply(text)
+        except MinillmError as exc:
+            chat.messages.pop()
+            chat.say(f"error: {exc}")

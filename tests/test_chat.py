@@ -1,0 +1,75 @@
+"""The chat REPL driven through a real pseudo-terminal, as a person uses it."""
+import json
+import sys
+
+import pexpect
+import pytest
+
+from conftest import model_path
+
+
+def spawn_chat(tmp_path, *args):
+    env = {"MINILLM_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin", "TERM": "dumb"}
+    child = pexpect.spawn(sys.executable, ["-m", "minillm", "chat", str(model_path("smollm2")), *args],
+                          env=env, encoding="utf-8", timeout=120, dimensions=(40, 200))
+    child.expect_exact(">>> ")
+    return child
+
+
+@pytest.mark.slow
+def test_chat_two_turns_slash_commands_and_exit(tmp_path):
+    child = spawn_chat(tmp_path, "--temp", "0", "-n", "40")
+    child.sendline("What is the capital of France?")
+    child.expect_exact(">>> ")
+    first = child.before
+    assert "Marseillaise" in first  # llama.cpp's greedy reply starts "L'Étoile, la Marseillaise, ..."
+    child.sendline("/show")
+    child.expect(r"messages: 2; tokens in context: (\d+)")
+    context_after_first = int(child.match.group(1))
+    child.expect_exact(">>> ")
+    child.sendline("Repeat the first word of your previous answer.")
+    child.expect_exact(">>> ")
+    child.sendline("/show")
+    child.expect(r"messages: 4; tokens in context: (\d+)")
+    assert int(child.match.group(1)) > context_after_first  # the second turn extends the first
+    child.expect_exact(">>> ")
+    saved = tmp_path / "conv.json"
+    child.sendline(f"/save {saved}")
+    child.expect_exact("saved 4 messages")
+    child.expect_exact(">>> ")
+    child.sendline("/set temperature 0.5")
+    child.expect_exact("temperature = 0.5")
+    child.expect_exact(">>> ")
+    child.sendline('"""')
+    child.sendline("Say hi")
+    child.sendline('in two words"""')
+    child.expect_exact(">>> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    conv = json.loads(saved.read_text())
+    assert [m["role"] for m in conv["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert conv["messages"][0]["content"] == "What is the capital of France?"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_reply_and_twice_leaves(tmp_path):
+    child = spawn_chat(tmp_path, "-n", "2000", "--temp", "1.0", "--seed", "1")
+    child.sendline("Write a very long story about a dragon.")
+    child.expect_exact("dragon.")  # the echo of the input
+    child.expect(r"\w+ \w+ \w+ \w+")  # the reply is streaming
+    child.sendintr()
+    child.expect_exact("[stopped]")
+    child.expect_exact(">>> ")
+    child.sendintr()
+    child.expect_exact("Ctrl+C again")
+    child.sendintr()
+    child.expect(pexpect.EOF)
+
+
+@pytest.mark.slow
+def test_ctrl_d_leaves(tmp_path):
+    child = spawn_chat(tmp_path)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
