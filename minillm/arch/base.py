@@ -9,7 +9,7 @@ from ..errors import ModelError
 from ..gguf_file import GGUFFile
 from ..kernels.cpu import ops
 from ..kernels.cpu.unpack import dequantize
-from ..weights import Activations, make_matrix, matmul
+from ..weights import Matrix
 
 MAX_LAYERS = 512
 MAX_WIDTH = 1 << 16
@@ -66,6 +66,9 @@ class Transformer:
 
     name = ""
     rope_neox = False
+    # the layer tensors, in the order the compiled layer function unpacks them
+    layer_order = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate",
+                   "ffn_up", "ffn_down")
 
     def __init__(self, gguf: GGUFFile):
         self.gguf = gguf
@@ -135,22 +138,23 @@ class Transformer:
     def vector(self, name: str) -> np.ndarray:
         return self.gguf.raw(name).view(np.float32).reshape(-1)
 
-    def matrix(self, name: str):
+    def matrix(self, name: str) -> Matrix:
         info = self.gguf.tensors[name]
-        return make_matrix(name, info.format, self.gguf.raw(name), info.shape[1], info.shape[0])
+        return Matrix(name, info.format, self.gguf.raw(name), info.shape[1], info.shape[0])
 
     def load_weights(self, progress=None) -> None:
         hp = self.hp
         self.output_norm = self.vector("output_norm.weight")
         name = "output.weight" if "output.weight" in self.gguf.tensors else "token_embd.weight"
         self.output = self.matrix(name)
-        self.layers = []
+        self.layers = []  # per layer: a tuple in layer_order (vectors, and Matrix.packed tuples)
         for il in range(hp.n_layer):
-            layer = {}
-            for suffix, shape in self.layer_tensors(il).items():
+            shapes = self.layer_tensors(il)
+            layer = []
+            for suffix in self.layer_order:
                 full = f"blk.{il}.{suffix}.weight"
-                layer[suffix] = self.vector(full) if len(shape) == 1 else self.matrix(full)
-            self.layers.append(layer)
+                layer.append(self.vector(full) if len(shapes[suffix]) == 1 else self.matrix(full).packed)
+            self.layers.append(tuple(layer))
             if progress:
                 progress(il + 1, hp.n_layer)
 
@@ -169,43 +173,31 @@ class Transformer:
         """Evaluate ids at the cache's next positions; logits (T - logits_from, V)."""
         positions = cache.reserve(len(ids))
         x = self.embed(ids)
+        tables = self.rope_tables(positions)
         for il, layer in enumerate(self.layers):
-            x = self.layer_forward(il, layer, x, positions, cache)
+            kc, vc, group, slots = cache.layer(il)
+            n_used, ring_start = group.scan_order(int(positions[-1]))
+            kv = (kc, vc, group.kv_pos, slots, n_used, group.n_keep, ring_start)
+            x = self.layer_step(il, layer, x, positions, tables, kv)
         cache.commit(len(ids))
         x = x[logits_from:]
         if x.shape[0] == 0:
             return np.empty((0, self.hp.n_vocab), np.float32)
         xn = np.empty_like(x)
         ops.rmsnorm(x, self.output_norm, np.float32(self.hp.rms_eps), xn)
-        return self.finish_logits(matmul(self.output, Activations(xn)))
+        return self.finish_logits(self.output(xn))
 
     def finish_logits(self, logits: np.ndarray) -> np.ndarray:
         return logits
 
-    def layer_forward(self, il, layer, x, positions, cache):
+    def layer_step(self, il, layer, x, positions, tables, kv):
+        """One layer: x (T, E) -> (T, E). kv = (k, v, kv_pos, slots, n_used, n_keep, ring_start)."""
         raise NotImplementedError
 
-    # helpers for layers
-    def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        out = np.empty_like(x)
-        ops.rmsnorm(x, weight, np.float32(self.hp.rms_eps), out)
-        return out
-
-    def rope(self, x: np.ndarray, n_heads: int, positions: np.ndarray, base: float, scale: float = 1.0):
-        hp = self.hp
-        half = hp.rope_dims // 2
+    def rope_table(self, positions: np.ndarray, base: float, scale: float = 1.0):
+        """(cos, sin) (T, rope_dims/2) for the batch, as ggml's rope cache computes them."""
+        half = self.hp.rope_dims // 2
         cos_t = np.empty((len(positions), half), np.float32)
         sin_t = np.empty((len(positions), half), np.float32)
-        ops.rope_angles(positions, hp.rope_dims, np.float32(base), np.float32(scale), cos_t, sin_t)
-        ops.rope(x, n_heads, hp.head_dim, hp.rope_dims, cos_t, sin_t, self.rope_neox)
-
-    def attend(self, il, q, k, v, positions, cache, scale: float, window: int = 0):
-        hp = self.hp
-        kc, vc, group, slots = cache.layer(il)
-        ops.store_kv(k, v, slots, hp.n_head_kv, hp.head_dim, kc, vc)
-        group.kv_pos[slots] = positions
-        n_used, ring_start = group.scan_order(int(positions[-1]))
-        out = np.empty((q.shape[0], hp.n_head * hp.head_dim), np.float32)
-        ops.attention(q, positions, kc, vc, group.kv_pos, n_used, group.n_keep, ring_start, window,
-                      np.float32(scale), hp.n_head, out)
-        return out
+        ops.rope_angles(positions, self.hp.rope_dims, np.float32(base), np.float32(scale), cos_t, sin_t)
+        return cos_t, sin_t

@@ -6,17 +6,43 @@ import math
 
 import numpy as np
 
-from ..kernels.cpu import ops
-from ..weights import Activations, matmul
+import numba as nb
+
+from ..kernels.cpu import layers, ops
 from .base import HParams, Transformer
 
 SWA_PATTERN = 6            # layers il with il % 6 == 5 are global, the others local
 LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for Gemma 3
 
 
+@nb.njit(cache=True, nogil=True)
+def gemma3_layer(x, w, positions, cos, sin, kv, window, eps, n_head, n_head_kv, head_dim, rope_dims, q_scale):
+    """x (T, E) -> (T, E); w: the layer's tensors in Gemma3.layer_order; window 0 = global."""
+    attn_norm, wq, wk, wv, wo, ffn_norm, wg, wu, wd, q_norm, k_norm, post_attn_norm, post_ffw_norm = w
+    kc, vc, kv_pos, slots, n_used, n_keep, ring_start = kv
+    T = x.shape[0]
+    h = layers.norm(x, attn_norm, eps)
+    q, k, v = layers.linear(wq, h), layers.linear(wk, h), layers.linear(wv, h)
+    q = layers.norm(q.reshape(T * n_head, head_dim), q_norm, eps).reshape(T, n_head * head_dim)
+    k = layers.norm(k.reshape(T * n_head_kv, head_dim), k_norm, eps).reshape(T, n_head_kv * head_dim)
+    ops.rope(q, n_head, head_dim, rope_dims, cos, sin, True)
+    ops.rope(k, n_head_kv, head_dim, rope_dims, cos, sin, True)
+    q *= q_scale  # llama.cpp scales Q before attention (kq_scale 1)
+    attn = layers.attend(q, k, v, positions, kc, vc, kv_pos, slots, n_used, n_keep, ring_start, window,
+                         np.float32(1.0), n_head, n_head_kv, head_dim)
+    x = x + layers.norm(layers.linear(wo, attn), post_attn_norm, eps)
+    h = layers.norm(x, ffn_norm, eps)
+    gate, up = layers.linear(wg, h), layers.linear(wu, h)
+    act = np.empty_like(gate)
+    ops.geglu(gate, up, act)
+    return x + layers.norm(layers.linear(wd, act), post_ffw_norm, eps)
+
+
 class Gemma3(Transformer):
     name = "gemma3"
     rope_neox = True
+    layer_order = Transformer.layer_order + ("attn_q_norm", "attn_k_norm", "post_attention_norm",
+                                             "post_ffw_norm")
 
     def read_hparams(self) -> HParams:
         hp = super().read_hparams()
@@ -54,27 +80,17 @@ class Gemma3(Transformer):
         x = super().embed(ids)
         return x * np.float32(math.sqrt(self.hp.n_embd))
 
-    def layer_forward(self, il, w, x, positions, cache):
-        hp = self.hp
-        T, D = x.shape[0], hp.head_dim
-        act = Activations(self.norm(x, w["attn_norm"]))
-        q, k, v = matmul(w["attn_q"], act), matmul(w["attn_k"], act), matmul(w["attn_v"], act)
-        q = self.norm(q.reshape(T * hp.n_head, D), w["attn_q_norm"]).reshape(T, -1)
-        k = self.norm(k.reshape(T * hp.n_head_kv, D), w["attn_k_norm"]).reshape(T, -1)
-        local = self.is_local(il)
-        base = LOCAL_ROPE_BASE if local else hp.rope_base
-        scale = 1.0 if local else self.rope_scale
-        self.rope(q, hp.n_head, positions, base, scale)
-        self.rope(k, hp.n_head_kv, positions, base, scale)
-        q *= np.float32(self.attn_scale)
-        attn = self.attend(il, q, k, v, positions, cache, 1.0, self.window if local else 0)
-        x = x + self.norm(matmul(w["attn_output"], Activations(attn)), w["post_attention_norm"])
+    def rope_tables(self, positions):
+        return {"local": self.rope_table(positions, LOCAL_ROPE_BASE),
+                "global": self.rope_table(positions, self.hp.rope_base, self.rope_scale)}
 
-        act = Activations(self.norm(x, w["ffn_norm"]))
-        gate, up = matmul(w["ffn_gate"], act), matmul(w["ffn_up"], act)
-        h = np.empty_like(gate)
-        ops.geglu(gate, up, h)
-        return x + self.norm(matmul(w["ffn_down"], Activations(h)), w["post_ffw_norm"])
+    def layer_step(self, il, layer, x, positions, tables, kv):
+        hp = self.hp
+        local = self.is_local(il)
+        cos, sin = tables["local" if local else "global"]
+        return gemma3_layer(x, layer, positions, cos, sin, kv, self.window if local else 0,
+                            np.float32(hp.rms_eps), hp.n_head, hp.n_head_kv, hp.head_dim, hp.rope_dims,
+                            np.float32(self.attn_scale))
 
     def finish_logits(self, logits):
         if self.softcap > 0:

@@ -3,28 +3,41 @@ from __future__ import annotations
 
 import math
 
+import numba as nb
 import numpy as np
 
-from ..kernels.cpu import ops
-from ..weights import Activations, matmul
+from ..kernels.cpu import layers, ops
 from .base import Transformer
+
+
+@nb.njit(cache=True, nogil=True)
+def llama_layer(x, w, positions, cos, sin, kv, eps, n_head, n_head_kv, head_dim, rope_dims, attn_scale):
+    """x (T, E) -> (T, E); w: the layer's tensors in Llama.layer_order."""
+    attn_norm, wq, wk, wv, wo, ffn_norm, wg, wu, wd = w
+    kc, vc, kv_pos, slots, n_used, n_keep, ring_start = kv
+    h = layers.norm(x, attn_norm, eps)
+    q, k, v = layers.linear(wq, h), layers.linear(wk, h), layers.linear(wv, h)
+    ops.rope(q, n_head, head_dim, rope_dims, cos, sin, False)
+    ops.rope(k, n_head_kv, head_dim, rope_dims, cos, sin, False)
+    attn = layers.attend(q, k, v, positions, kc, vc, kv_pos, slots, n_used, n_keep, ring_start, 0,
+                         attn_scale, n_head, n_head_kv, head_dim)
+    x = x + layers.linear(wo, attn)
+    h = layers.norm(x, ffn_norm, eps)
+    gate, up = layers.linear(wg, h), layers.linear(wu, h)
+    act = np.empty_like(gate)
+    ops.swiglu(gate, up, act)
+    return x + layers.linear(wd, act)
 
 
 class Llama(Transformer):
     name = "llama"
     rope_neox = False  # the converter permutes Q/K so that rotation is on adjacent pairs
 
-    def layer_forward(self, il, w, x, positions, cache):
-        hp = self.hp
-        act = Activations(self.norm(x, w["attn_norm"]))
-        q, k, v = matmul(w["attn_q"], act), matmul(w["attn_k"], act), matmul(w["attn_v"], act)
-        self.rope(q, hp.n_head, positions, hp.rope_base)
-        self.rope(k, hp.n_head_kv, positions, hp.rope_base)
-        attn = self.attend(il, q, k, v, positions, cache, 1.0 / math.sqrt(hp.head_dim))
-        x = x + matmul(w["attn_output"], Activations(attn))
+    def rope_tables(self, positions):
+        return self.rope_table(positions, self.hp.rope_base)
 
-        act = Activations(self.norm(x, w["ffn_norm"]))
-        gate, up = matmul(w["ffn_gate"], act), matmul(w["ffn_up"], act)
-        h = np.empty_like(gate)
-        ops.swiglu(gate, up, h)
-        return x + matmul(w["ffn_down"], Activations(h))
+    def layer_step(self, il, layer, x, positions, tables, kv):
+        hp = self.hp
+        cos, sin = tables
+        return llama_layer(x, layer, positions, cos, sin, kv, np.float32(hp.rms_eps), hp.n_head, hp.n_head_kv,
+                           hp.head_dim, hp.rope_dims, np.float32(1.0 / math.sqrt(hp.head_dim)))

@@ -1,0 +1,99 @@
+"""Building blocks that architectures compose inside one compiled function per layer, so a
+decode step costs one Python -> Numba call per layer instead of one per operation.
+
+A weight matrix travels as one tuple of uniform type (see minillm/weights.py):
+    (data uint8 (flat tiles), scale (NT, K/G, R), bias (NT, K/G or 0, R), fweight (N, K) float32,
+     n_rows, group, kind, float_format)
+quantized formats use data/scale/bias with kind >= 0; float formats (F32/F16/BF16) use fweight,
+kind = -1 and float_format 0/1/2.
+"""
+import numba as nb
+import numpy as np
+
+from . import ops
+from .f16 import f16_round
+from .matmul import qmatmul_tiles, quantize_act
+
+FLOAT_F32, FLOAT_F16, FLOAT_BF16 = 0, 1, 2
+_SPLIT_BF16 = np.float32(65537.0)  # 2^(24-8) + 1: keeps bfloat16's 8 significant bits
+
+_SER = dict(cache=True, nogil=True)
+
+
+@nb.njit(**_SER)
+def quantize(x, kind):
+    """x (T, K) -> (q (T*K,) int8, d16, s16, n16, d32, s32, n32) for activation kind."""
+    T, K = x.shape
+    q = np.empty((T, K), np.int8)
+    d16 = np.empty((T, K // 16), np.float32)
+    s16 = np.empty((T, K // 16), np.float32)
+    n16 = np.empty((T, K // 16), np.int32)
+    d32 = np.empty((T, K // 32), np.float32)
+    s32 = np.empty((T, K // 32), np.float32)
+    n32 = np.empty((T, K // 32), np.int32)
+    quantize_act(x, kind, q, d16, s16, n16, d32, s32, n32)
+    return q.reshape(T * K), d16, s16, n16, d32, s32, n32
+
+
+@nb.njit(parallel=True, cache=True, nogil=True, fastmath=True)
+def _float_matmul(weight, x, out):
+    N, K = weight.shape
+    T = x.shape[0]
+    for n in nb.prange(N):
+        for t in range(T):
+            acc = np.float32(0.0)
+            for k in range(K):
+                acc += weight[n, k] * x[t, k]
+            out[t, n] = acc
+
+
+@nb.njit(**_SER)
+def _round_to_format(x, fmt):
+    out = np.empty_like(x)
+    T, K = x.shape
+    for t in range(T):
+        for k in range(K):
+            v = x[t, k]
+            if fmt == FLOAT_F16:
+                v = f16_round(v)
+            elif fmt == FLOAT_BF16:
+                c = _SPLIT_BF16 * v
+                v = c - (c - v)
+            out[t, k] = v
+    return out
+
+
+@nb.njit(**_SER)
+def linear(w, x):
+    """out (T, N) = x (T, K) @ W.T, activations quantized as llama.cpp pairs them with W."""
+    data, scale, bias, fweight, n_rows, group, kind, float_format = w
+    out = np.empty((x.shape[0], n_rows), np.float32)
+    if kind < 0:
+        _float_matmul(fweight, _round_to_format(x, float_format), out)
+        return out
+    q, d16, s16, n16, d32, s32, n32 = quantize(x, kind)
+    if group == 16:
+        qmatmul_tiles(data, scale, bias, group, q, d16, s16, n16, out)
+    else:
+        qmatmul_tiles(data, scale, bias, group, q, d32, s32, n32, out)
+    return out
+
+
+@nb.njit(**_SER)
+def norm(x, weight, eps):
+    out = np.empty_like(x)
+    ops.rmsnorm(x, weight, eps, out)
+    return out
+
+
+@nb.njit(**_SER)
+def attend(q, k, v, positions, kcache, vcache, kv_pos, slots, n_used, n_keep, ring_start, window,
+           scale, n_heads, n_kv_heads, head_dim):
+    """Store this batch's k/v at their slots, then attention of q over the cache."""
+    ops.store_kv(k, v, slots, n_kv_heads, head_dim, kcache, vcache)
+    for i in range(slots.shape[0]):
+        kv_pos[slots[i]] = positions[i]
+    out = np.empty((q.shape[0], n_heads * head_dim), np.float32)
+    ops.attention(q, positions, kcache, vcache, kv_pos, n_used, n_keep, ring_start, window,
+                  scale, n_heads, out)
+    return out
