@@ -24,11 +24,12 @@ class Matrix:
         self.name, self.format = name, fmt
         self.n_rows, self.n_cols = n_rows, n_cols
         if fmt.quantized:
-            data, scale, bias = mm.repack(*unpack(fmt, raw, n_cols))
-            self.packed = (data, scale, bias, _NO_FLOATS, n_rows, fmt.group, mm.KIND_IDS[fmt.activation], 0)
+            tiles = mm.repack(*unpack(fmt, raw, n_cols), nibble_offset=fmt.nibble_offset)
+            self.packed = (*tiles, _NO_FLOATS, n_rows, fmt.group, mm.KIND_IDS[fmt.activation], 0)
         else:
             weight = np.ascontiguousarray(dequantize(fmt, raw, n_cols))
-            self.packed = (_NO_BYTES, _NO_SCALES, _NO_SCALES, weight, n_rows, 0, -1, _FLOAT_FORMATS[fmt.name])
+            self.packed = (_NO_BYTES, _NO_SCALES, _NO_SCALES, 0, False, weight, n_rows, 0, -1,
+                           _FLOAT_FORMATS[fmt.name])
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """(T, n_rows) = x (T, n_cols) @ W.T."""

@@ -7,6 +7,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import cuda_env  # noqa: E402
+
+cuda_env.use_simulator_unless_real()  # before numba.cuda is imported; MINILLM_CUDA_REAL=1: a real GPU
+
 MODELS = {
     "smollm2": ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf",
     "gemma3": ROOT / "models" / "gemma-3-270m-q4_k_m.gguf",

@@ -72,6 +72,17 @@ def test_dequantize_real_tensors_bit_exact(model):
     assert {f for f, _ in seen} >= ({"Q4_1", "Q8_0", "F32"} if model == "smollm2" else {"Q5_0", "Q8_0", "Q4_K", "Q6_K", "F32"})
 
 
+def test_code_ranges_fit_the_stored_layout():
+    rng = np.random.default_rng(4)
+    for name in QUANTIZED:
+        fmt = FORMATS_BY_NAME[name]
+        raw = rng.integers(0, 256, size=(16, 2 * fmt.type_size), dtype=np.uint8)
+        q = unpack(fmt, raw, 2 * fmt.block_size)[0].astype(np.int32)
+        if fmt.nibble_offset is not None:
+            assert 0 <= q.min() + fmt.nibble_offset and q.max() + fmt.nibble_offset <= 15, name
+        assert 0 <= q.min() + 128 and q.max() + 128 <= 255
+
+
 @pytest.mark.parametrize("name", QUANTIZED)
 @pytest.mark.parametrize("n_tokens", [1, 5])
 def test_quantized_product_matches_dequantized(name, n_tokens):
@@ -81,7 +92,8 @@ def test_quantized_product_matches_dequantized(name, n_tokens):
     n_rows, cols = 70, 512  # 70 rows: a partial last tile
     raw = random_blocks(name, n_rows, cols, rng)
     q, scale, bias = unpack(fmt, raw, cols)
-    data, scale_t, bias_t = mm.repack(q, scale, bias)
+    data, scale_t, bias_t, offset, nibbles = mm.repack(q, scale, bias, fmt.nibble_offset)
+    assert nibbles == (fmt.name in ("Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K"))
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
     xq = np.empty((n_tokens, cols), np.int8)
     d16, s16 = np.empty((n_tokens, cols // 16), np.float32), np.empty((n_tokens, cols // 16), np.float32)
@@ -91,7 +103,7 @@ def test_quantized_product_matches_dequantized(name, n_tokens):
     xd, xs, xn = (d16, s16, n16) if fmt.group == 16 else (d32, s32, n32)
     assert np.array_equal(xn, xq.reshape(n_tokens, -1, fmt.group).astype(np.int32).sum(-1))
     out = np.empty((n_tokens, n_rows), np.float32)
-    mm.qmatmul_tiles(data, scale_t, bias_t, fmt.group, xq.reshape(-1), xd, xs, xn, out)
+    mm.qmatmul_tiles(data, scale_t, bias_t, fmt.group, offset, nibbles, xq.reshape(-1), xd, xs, xn, out)
 
     w = reference(fmt, raw, cols).astype(np.float64)
     x_deq = xq.astype(np.float64) * np.repeat(xd, fmt.group, axis=1)
@@ -112,3 +124,30 @@ def test_activation_quantization_q8_0_follows_llama_cpp():
     mm.quantize_act(x, mm.KIND_Q8_0, xq, d16, s16, n16, d32, s32, n32)
     assert xq[0, :3].tolist() == [64, -127, 32]  # rint(0.5 * 127) = 64 (half to even: 63.5 -> 64)
     assert d32[0, 0] == np.float32(np.float16(1.0 / 127))
+
+
+@pytest.mark.parametrize("nibbles", [False, True])
+def test_portable_tile_dot_matches_vnni(nibbles):
+    """The plain-Numba fallback (CPUs without AVX-512 VNNI) computes the same integers."""
+    from minillm.kernels.cpu import vnni
+
+    rng = np.random.default_rng(5)
+    steps = 8  # one group of 32 columns
+    data = rng.integers(0, 16 if nibbles else 256, size=steps * 128 // (2 if nibbles else 1) + 256).astype(np.uint8)
+    if nibbles:
+        data |= rng.integers(0, 16, size=data.shape).astype(np.uint8) << 4
+    x = rng.integers(-127, 128, size=64).astype(np.int8)
+    portable, fast = np.zeros(32, np.int32), np.zeros(32, np.int32)
+    dot_portable = vnni.tile_dot_nib_portable if nibbles else vnni.tile_dot_portable
+    dot_fast = vnni.tile_dot_nib if nibbles else vnni.tile_dot
+    dot_portable(data, 128, x, 32, steps, portable)
+    dot_fast(data, 128, x, 32, steps, fast)
+    codes = data[128:128 + steps * 128 // (2 if nibbles else 1)].astype(np.int32)
+    if nibbles:  # (pair p, row r, j) -> columns 8p+j (low) and 8p+4+j (high)
+        c = codes.reshape(steps // 2, 32, 4)
+        full = np.concatenate([c & 15, c >> 4], axis=2)          # (p, r, 8)
+        w = full.transpose(1, 0, 2).reshape(32, -1)
+    else:
+        w = codes.reshape(steps, 32, 4).transpose(1, 0, 2).reshape(32, -1)
+    expected = w @ x[32:64].astype(np.int32)
+    assert np.array_equal(portable, expected) and np.array_equal(fast, expected)

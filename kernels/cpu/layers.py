@@ -2,8 +2,8 @@
 decode step costs one Python -> Numba call per layer instead of one per operation.
 
 A weight matrix travels as one tuple of uniform type (see minillm/weights.py):
-    (data uint8 (flat tiles), scale (NT, K/G, R), bias (NT, K/G or 0, R), fweight (N, K) float32,
-     n_rows, group, kind, float_format)
+    (data uint8 (flat tiles), scale (NT, K/G, R), bias (NT, K/G or 0, R), code offset, nibbles,
+     fweight (N, K) float32, n_rows, group, kind, float_format)
 quantized formats use data/scale/bias with kind >= 0; float formats (F32/F16/BF16) use fweight,
 kind = -1 and float_format 0/1/2.
 """
@@ -66,16 +66,16 @@ def _round_to_format(x, fmt):
 @nb.njit(**_SER)
 def linear(w, x):
     """out (T, N) = x (T, K) @ W.T, activations quantized as llama.cpp pairs them with W."""
-    data, scale, bias, fweight, n_rows, group, kind, float_format = w
+    data, scale, bias, offset, nibbles, fweight, n_rows, group, kind, float_format = w
     out = np.empty((x.shape[0], n_rows), np.float32)
     if kind < 0:
         _float_matmul(fweight, _round_to_format(x, float_format), out)
         return out
     q, d16, s16, n16, d32, s32, n32 = quantize(x, kind)
     if group == 16:
-        qmatmul_tiles(data, scale, bias, group, q, d16, s16, n16, out)
+        qmatmul_tiles(data, scale, bias, group, offset, nibbles, q, d16, s16, n16, out)
     else:
-        qmatmul_tiles(data, scale, bias, group, q, d32, s32, n32, out)
+        qmatmul_tiles(data, scale, bias, group, offset, nibbles, q, d32, s32, n32, out)
     return out
 
 

@@ -3,8 +3,11 @@
 Weights use the uniform layout of minillm.formats, repacked once at load into tiles of
 R = 32 rows ("rows as lanes"), so that one instruction works on all 32 rows at once:
 
-    data  uint8   (NT * K/4 * 4R,) flat: tile nt, column quad k4, row r, byte j holds
+    data  uint8   (NT * K/4 * 4R,) flat: tile nt, column quad k4, row r, byte j holds the code
                   q[nt*R + r, 4*k4 + j] + 128 at ((nt * K/4 + k4) * R + r) * 4 + j
+                  or, for formats whose codes fit 4 bits (q + offset in 0..15), two columns a
+                  byte (NT * K/8 * 4R,): columns 8p+j (low nibble) and 8p+4+j (high nibble) of
+                  row r at ((nt * K/8 + p) * R + r) * 4 + j
     scale float32 (NT, K/G, R)   scale of group g of row nt*R + r
     bias  float32 (NT, K/G, R)   or (NT, 0, R) for formats without a min
 
@@ -12,14 +15,14 @@ Activations x (T, K) are quantized per llama.cpp's pairing (Q8_0, Q8_1 or Q8_K) 
     xq int8 (T, K); per 16- and 32-group: d (the activation scale of the group's block),
     s = d * sum(q) and n = sum(q) (int32)
 and out[t, n] = sum_g scale[n, g] * d[t, g] * isum(n, t, g) (+ bias[n, g] * s[t, g]), with
-isum = sum_k (q_w + 128) * q_x - 128 * sum_k q_x computed in int32 (vnni.tile_dot), as exact
-as ggml's integer dot products.
+isum = sum_k (q_w + offset) * q_x - offset * sum_k q_x computed in int32 (vnni.tile_dot), as
+exact as ggml's integer dot products.
 """
 import numba as nb
 import numpy as np
 
 from .f16 import f16_round
-from .vnni import R, tile_dot
+from .vnni import R, tile_dot, tile_dot_nib
 
 KIND_Q8_0, KIND_Q8_1, KIND_Q8_K = 0, 1, 2
 KIND_IDS = {"q8_0": KIND_Q8_0, "q8_1": KIND_Q8_1, "q8_k": KIND_Q8_K}
@@ -89,12 +92,14 @@ def quantize_act(x, kind, xq, d16, s16, n16, d32, s32, n32):
 
 
 @nb.njit(**_PAR)
-def qmatmul_tiles(data, scale, bias, G, xq, xd, xs, xn, out):
-    """out (T, N) = x @ W.T for W in tiles; xq (T*K,) flat; xd/xs/xn (T, K/G) for W's group G."""
+def qmatmul_tiles(data, scale, bias, G, offset, nibbles, xq, xd, xs, xn, out):
+    """out (T, N) = x @ W.T for W in tiles; xq (T*K,) flat; xd/xs/xn (T, K/G) for W's group G;
+    codes stored as q + offset, in bytes or (nibbles) two a byte."""
     NT, ng = scale.shape[0], scale.shape[1]
     T, N = out.shape
     K = ng * G
     steps = G // 4
+    group_bytes = G * R // 2 if nibbles else G * R
     has_bias = bias.shape[1] > 0
     for nt in nb.prange(NT):
         iacc = np.empty(R, np.int32)
@@ -102,8 +107,12 @@ def qmatmul_tiles(data, scale, bias, G, xq, xd, xs, xn, out):
         for t in range(T):
             facc[:] = 0
             for g in range(ng):
-                tile_dot(data, (nt * (K // 4) + g * steps) * 4 * R, xq, t * K + g * G, steps, iacc)
-                shift = np.int32(128) * xn[t, g]
+                start = (nt * ng + g) * group_bytes
+                if nibbles:
+                    tile_dot_nib(data, start, xq, t * K + g * G, steps, iacc)
+                else:
+                    tile_dot(data, start, xq, t * K + g * G, steps, iacc)
+                shift = np.int32(offset) * xn[t, g]
                 sd = xd[t, g]
                 sc = scale[nt, g]
                 if has_bias:
@@ -120,28 +129,36 @@ def qmatmul_tiles(data, scale, bias, G, xq, xd, xs, xn, out):
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def _tile_rows(q, scale, bias, data, scale_t, bias_t):
+def _tile_rows(q, scale, bias, offset, nibbles, data, scale_t, bias_t):
     N, K = q.shape
     NT = scale_t.shape[0]
     for nt in nb.prange(NT):
         for r in range(R):
             n = nt * R + r
             if n >= N:
-                continue  # padding rows: code 0 (stored 128), scale 0
+                continue  # padding rows: code 0, scale 0
             for k in range(K):
-                data[((nt * (K // 4) + k // 4) * R + r) * 4 + k % 4] = np.uint8(np.int32(q[n, k]) + 128)
+                code = np.int32(q[n, k]) + offset
+                if nibbles:
+                    at = ((nt * (K // 8) + k // 8) * R + r) * 4 + k % 4
+                    data[at] |= np.uint8(code << 4 if k % 8 >= 4 else code)
+                else:
+                    data[((nt * (K // 4) + k // 4) * R + r) * 4 + k % 4] = np.uint8(code)
             for g in range(scale.shape[1]):
                 scale_t[nt, g, r] = scale[n, g]
             for g in range(bias.shape[1]):
                 bias_t[nt, g, r] = bias[n, g]
 
 
-def repack(q: np.ndarray, scale: np.ndarray, bias: np.ndarray):
-    """Uniform layout (N, K) -> tiles of R rows (rows padded to a multiple of R)."""
+def repack(q: np.ndarray, scale: np.ndarray, bias: np.ndarray, nibble_offset: int | None = None):
+    """Uniform layout (N, K) -> tiles of R rows (rows padded to a multiple of R). Returns
+    (data, scale, bias, offset, nibbles): codes q + offset, 4-bit when nibble_offset is given."""
     N, K = q.shape
     NT = (N + R - 1) // R
-    data = np.full(NT * K * R, 128, np.uint8)
+    nibbles = nibble_offset is not None
+    offset = nibble_offset if nibbles else 128
+    data = np.zeros(NT * K * R // (2 if nibbles else 1), np.uint8)
     scale_t = np.zeros((NT, scale.shape[1], R), np.float32)
     bias_t = np.zeros((NT, bias.shape[1], R), np.float32)
-    _tile_rows(q, scale, bias, data, scale_t, bias_t)
-    return data, scale_t, bias_t
+    _tile_rows(q, scale, bias, offset, nibbles, data, scale_t, bias_t)
+    return data, scale_t, bias_t, offset, nibbles

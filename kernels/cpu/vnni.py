@@ -7,8 +7,9 @@ as unsigned (q + 128). One step of the loop:
 
     acc[r] += sum_{j<4} w_u8[k4, r, j] * x_s8[4*k4 + j]      for the 32 rows r
 
-so after n_k4 steps out[r] = sum_k (q[r, k] + 128) * x[k]; the caller subtracts 128 * sum(x).
-`tile_dot_portable` computes the same in plain Numba for CPUs without AVX-512 VNNI.
+so after n_k4 steps out[r] = sum_k code[r, k] * x[k], code = q + offset; the caller subtracts
+offset * sum(x). `tile_dot_nib` reads 4-bit codes, two columns per byte (half the bytes).
+The `_portable` versions compute the same in plain Numba for CPUs without AVX-512 VNNI.
 """
 import llvmlite.binding as llvm_binding
 import numba as nb
@@ -31,62 +32,92 @@ def _data_pointer(context, builder, array_type, array, offset):
     return builder.bitcast(builder.gep(data, [offset]), ir.IntType(8).as_pointer())
 
 
-@intrinsic
-def _tile_dot_vnni(typingctx, w, w_off, x, x_off, n_k4, out):
-    """out[0:32] (int32) = sum over n_k4 steps; w uint8 array at element w_off, x int8 at x_off."""
-    sig = types.void(w, types.intp, x, types.intp, types.intp, out)
+def _make_vnni_intrinsic(nibbles: bool):
+    """The tile dot product for bytes (one k4 step per 128 bytes) or nibbles (two k4 steps per
+    128 bytes: low nibbles are columns 8p..8p+3, high nibbles 8p+4..8p+7)."""
 
-    def codegen(context, builder, signature, args):
-        w_arr, w_off, x_arr, x_off, n, out_arr = args
-        wp = _data_pointer(context, builder, signature.args[0], w_arr, w_off)
-        xp = _data_pointer(context, builder, signature.args[2], x_arr, x_off)
-        op = cgutils.create_struct_proxy(signature.args[5])(context, builder, value=out_arr).data
-        dpbusd = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_I32X16, [_I32X16, _I8X64, _I8X64]), "llvm.x86.avx512.vpdpbusd.512")
-        zero = ir.Constant(_I32X16, None)
-        entry = builder.block
-        loop = builder.append_basic_block("vnni_loop")
-        done = builder.append_basic_block("vnni_done")
-        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(n.type, 0)), loop, done)
+    @intrinsic
+    def tile_dot(typingctx, w, w_off, x, x_off, n_k4, out):
+        sig = types.void(w, types.intp, x, types.intp, types.intp, out)
 
-        builder.position_at_end(loop)
-        i = builder.phi(n.type)
-        acc0, acc1 = builder.phi(_I32X16), builder.phi(_I32X16)
-        i.add_incoming(ir.Constant(n.type, 0), entry)
-        acc0.add_incoming(zero, entry)
-        acc1.add_incoming(zero, entry)
-        x4 = builder.load(builder.bitcast(builder.gep(xp, [builder.shl(i, ir.Constant(n.type, 2))]),
-                                          _I32.as_pointer()), align=1)
-        xv = builder.insert_element(ir.Constant(_I32X16, None), x4, ir.Constant(_I32, 0))
-        xv = builder.bitcast(builder.shuffle_vector(xv, ir.Constant(_I32X16, None), ir.Constant(_I32X16, [0] * 16)), _I8X64)
-        base = builder.shl(i, ir.Constant(n.type, 7))  # 128 bytes per step
-        w0 = builder.load(builder.bitcast(builder.gep(wp, [base]), _I8X64.as_pointer()), align=1)
-        w1 = builder.load(builder.bitcast(builder.gep(wp, [builder.add(base, ir.Constant(n.type, 64))]),
-                                          _I8X64.as_pointer()), align=1)
-        new0 = builder.call(dpbusd, [acc0, w0, xv])
-        new1 = builder.call(dpbusd, [acc1, w1, xv])
-        nxt = builder.add(i, ir.Constant(n.type, 1))
-        i.add_incoming(nxt, loop)
-        acc0.add_incoming(new0, loop)
-        acc1.add_incoming(new1, loop)
-        builder.cbranch(builder.icmp_signed("<", nxt, n), loop, done)
+        def codegen(context, builder, signature, args):
+            w_arr, w_off, x_arr, x_off, n, out_arr = args
+            wp = _data_pointer(context, builder, signature.args[0], w_arr, w_off)
+            xp = _data_pointer(context, builder, signature.args[2], x_arr, x_off)
+            op = cgutils.create_struct_proxy(signature.args[5])(context, builder, value=out_arr).data
+            dpbusd = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_I32X16, [_I32X16, _I8X64, _I8X64]),
+                "llvm.x86.avx512.vpdpbusd.512")
+            n_steps = builder.lshr(n, ir.Constant(n.type, 1)) if nibbles else n
+            zero = ir.Constant(_I32X16, None)
+            entry = builder.block
+            loop = builder.append_basic_block("vnni_loop")
+            done = builder.append_basic_block("vnni_done")
+            builder.cbranch(builder.icmp_signed(">", n_steps, ir.Constant(n.type, 0)), loop, done)
 
-        builder.position_at_end(done)
-        res0, res1 = builder.phi(_I32X16), builder.phi(_I32X16)
-        for res, new in ((res0, new0), (res1, new1)):
-            res.add_incoming(zero, entry)
-            res.add_incoming(new, loop)
-        builder.store(res0, builder.bitcast(op, _I32X16.as_pointer()), align=4)
-        builder.store(res1, builder.bitcast(builder.gep(op, [ir.Constant(ir.IntType(64), 16)]),
-                                            _I32X16.as_pointer()), align=4)
-        return context.get_dummy_value()
+            builder.position_at_end(loop)
+            i = builder.phi(n.type)
+            acc0, acc1 = builder.phi(_I32X16), builder.phi(_I32X16)
+            i.add_incoming(ir.Constant(n.type, 0), entry)
+            acc0.add_incoming(zero, entry)
+            acc1.add_incoming(zero, entry)
 
-    return sig, codegen
+            def x_broadcast(col):  # 4 activation bytes at column col, in all 16 lanes
+                x4 = builder.load(builder.bitcast(builder.gep(xp, [col]), _I32.as_pointer()), align=1)
+                xv = builder.insert_element(ir.Constant(_I32X16, None), x4, ir.Constant(_I32, 0))
+                xv = builder.shuffle_vector(xv, ir.Constant(_I32X16, None), ir.Constant(_I32X16, [0] * 16))
+                return builder.bitcast(xv, _I8X64)
+
+            base = builder.shl(i, ir.Constant(n.type, 7))  # 128 bytes per step
+            w0 = builder.load(builder.bitcast(builder.gep(wp, [base]), _I8X64.as_pointer()), align=1)
+            w1 = builder.load(builder.bitcast(builder.gep(wp, [builder.add(base, ir.Constant(n.type, 64))]),
+                                              _I8X64.as_pointer()), align=1)
+            if nibbles:
+                col = builder.shl(i, ir.Constant(n.type, 3))
+                xa, xb = x_broadcast(col), x_broadcast(builder.add(col, ir.Constant(n.type, 4)))
+                low = ir.Constant(_I8X64, [15] * 64)
+                four = ir.Constant(_I8X64, [4] * 64)
+                new0 = builder.call(dpbusd, [acc0, builder.and_(w0, low), xa])
+                new0 = builder.call(dpbusd, [new0, builder.lshr(w0, four), xb])
+                new1 = builder.call(dpbusd, [acc1, builder.and_(w1, low), xa])
+                new1 = builder.call(dpbusd, [new1, builder.lshr(w1, four), xb])
+            else:
+                xv = x_broadcast(builder.shl(i, ir.Constant(n.type, 2)))
+                new0 = builder.call(dpbusd, [acc0, w0, xv])
+                new1 = builder.call(dpbusd, [acc1, w1, xv])
+            nxt = builder.add(i, ir.Constant(n.type, 1))
+            i.add_incoming(nxt, loop)
+            acc0.add_incoming(new0, loop)
+            acc1.add_incoming(new1, loop)
+            builder.cbranch(builder.icmp_signed("<", nxt, n_steps), loop, done)
+
+            builder.position_at_end(done)
+            res0, res1 = builder.phi(_I32X16), builder.phi(_I32X16)
+            for res, new in ((res0, new0), (res1, new1)):
+                res.add_incoming(zero, entry)
+                res.add_incoming(new, loop)
+            builder.store(res0, builder.bitcast(op, _I32X16.as_pointer()), align=4)
+            builder.store(res1, builder.bitcast(builder.gep(op, [ir.Constant(ir.IntType(64), 16)]),
+                                                _I32X16.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile_dot
+
+
+_tile_dot_vnni = _make_vnni_intrinsic(False)
+_tile_dot_vnni_nib = _make_vnni_intrinsic(True)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
 def _tile_dot_vnni_call(w, w_off, x, x_off, n_k4, out):
     _tile_dot_vnni(w, w_off, x, x_off, n_k4, out)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _tile_dot_vnni_nib_call(w, w_off, x, x_off, n_k4, out):
+    _tile_dot_vnni_nib(w, w_off, x, x_off, n_k4, out)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -104,4 +135,21 @@ def tile_dot_portable(w, w_off, x, x_off, n_k4, out):
                               + np.int32(w[o + 2]) * x2 + np.int32(w[o + 3]) * x3)
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def tile_dot_nib_portable(w, w_off, x, x_off, n_k4, out):
+    for r in range(R):
+        out[r] = 0
+    for s in range(n_k4 // 2):
+        wb = w_off + s * 4 * R
+        xb = x_off + s * 8
+        for r in range(R):
+            o = wb + 4 * r
+            total = np.int32(0)
+            for j in range(4):
+                byte = np.int32(w[o + j])
+                total += (byte & 15) * np.int32(x[xb + j]) + (byte >> 4) * np.int32(x[xb + 4 + j])
+            out[r] = np.int32(out[r] + total)
+
+
 tile_dot = _tile_dot_vnni_call if HAS_VNNI else tile_dot_portable
+tile_dot_nib = _tile_dot_vnni_nib_call if HAS_VNNI else tile_dot_nib_portable

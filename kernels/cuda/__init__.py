@@ -1,0 +1,29 @@
+"""numba.cuda kernels for NVIDIA GPUs (the optional `cuda` extra: numba-cuda).
+
+Importing this package imports numba.cuda; the CPU path never does. The same code runs on a
+real GPU and under NVIDIA's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, set before numba is
+imported, or followed by numba.core.config.reload_config()), which is how the tests check it
+against the CPU kernels on machines without a GPU; `python -m minillm.kernels.cuda.ptx_check`
+compiles every kernel to real PTX without a GPU.
+
+Modules:
+    registry    KERNELS: every kernel with the signatures it is checked for
+    device      device helpers (f16 rounding, int8 dot products, block reductions)
+    norm_quant  rmsnorm, activation quantization, the two fused
+    matmul      quantized and float matrix products, the device weight layouts
+    ops         RoPE + KV store, SwiGLU, GeGLU, residual add
+    attention   attention over the f16 KV cache
+"""
+from .attention import attention, attention_kernel
+from .matmul import (
+    FWeights, QWeights, fmatmul, gpu_layout, qmatmul, round_activations, upload_float_matrix, upload_matrix,
+)
+from .norm_quant import QActivations, quantize, rmsnorm, rmsnorm_quantize
+from .ops import add_inplace, geglu, rope_store_kv, store_kv, swiglu
+from .registry import KERNELS
+
+__all__ = [
+    "KERNELS", "FWeights", "QActivations", "QWeights", "add_inplace", "attention", "attention_kernel",
+    "fmatmul", "geglu", "gpu_layout", "qmatmul", "quantize", "rmsnorm", "rmsnorm_quantize",
+    "rope_store_kv", "round_activations", "store_kv", "swiglu", "upload_float_matrix", "upload_matrix",
+]

@@ -1,0 +1,292 @@
+"""Matrix products on the GPU: quantized weights with quantized activations, and float weights.
+
+GPU layout of a quantized matrix (built by `gpu_layout` from the uniform layout of
+minillm.formats, uploaded once by `upload_matrix`):
+    words int32   (N, K/4)   the int8 codes q of each row, 4 per word (q row-major viewed as int32)
+    scale float32 (N, K/G)
+    bias  float32 (N, K/G)   (1, 1) zeros and has_bias = 0 for formats without a min
+Row-major words let the consecutive threads of a warp read consecutive words of one row
+(coalesced), and the same words tile cleanly into shared memory for the batched kernel.
+
+    out[t, n] = sum_g scale[n, g] * d_x[t, g] * isum(n, t, g)  (+ bias[n, g] * s_x[t, g])
+
+with isum the exact int32 dot product of the group's codes. Two kernels:
+  - qmatvec_kernel (T <= MATVEC_MAX_T, decode): one warp per row, lanes over the row's words,
+    partial sums added by a warp shuffle tree;
+  - qmatmul_tiled_kernel (prefill): TILE_N rows x TILE_T tokens per block, K walked in chunks of
+    CHUNK_WORDS words staged in shared memory, each thread one output.
+The float kernels (fmatvec_kernel, fmatmul_tiled_kernel) have the same shapes for F32/F16/BF16
+weights (kept as float16 on the device for F16, float32 otherwise); as on the CPU's float path
+(kernels/cpu/layers.py), the activations are first rounded to the weight type (round_f16_kernel,
+round_bf16_kernel).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from .device import WARP, dot4, f16_round, pow2_threads, warp_sum
+from .registry import kernel
+
+MATVEC_ROWS = 4        # rows (warps) per block of the matrix-vector kernels
+MATVEC_MAX_T = 4       # batches up to this many tokens use the matrix-vector kernels
+TILE_N = 16            # weight rows per block of the tiled kernels
+TILE_T = 16            # tokens per block of the tiled kernels
+CHUNK_WORDS = 32       # int32 words of K staged per step (128 int8 codes: 4 or 8 whole groups)
+CHUNK_F = 32           # float values of K staged per step in the float tiled kernel
+CHUNK_WORDS_PAD = CHUNK_WORDS + 1  # shared row length: the +1 keeps a warp's rows on distinct banks
+CHUNK_F_PAD = CHUNK_F + 1
+
+_Q_ARGS = ("int32[:, ::1], float32[:, ::1], float32[:, ::1], int64, int64, "
+           "int32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1]")
+
+
+@kernel(f"void({_Q_ARGS})")
+def qmatvec_kernel(w_words, scale, bias, has_bias, group, x_words, xd, xs, out):
+    """out (T, N) for small T; block (WARP, MATVEC_ROWS), grid ceil(N / MATVEC_ROWS)."""
+    partial = cuda.shared.array((MATVEC_ROWS, WARP), np.float32)  # warp_sum's scratch (simulator only)
+    lane = cuda.threadIdx.x
+    r = cuda.threadIdx.y
+    n = cuda.blockIdx.x * MATVEC_ROWS + r
+    N, n_words = w_words.shape
+    n_groups = scale.shape[1]
+    words_per_group = group // 4
+    for t in range(out.shape[0]):
+        acc = np.float32(0.0)
+        if n < N:
+            for i in range(lane, n_words, WARP):
+                g = i // words_per_group
+                isum = dot4(w_words[n, i], x_words[t, i])
+                acc += scale[n, g] * xd[t, g] * np.float32(isum)
+            if has_bias:
+                for g in range(lane, n_groups, WARP):
+                    acc += bias[n, g] * xs[t, g]
+        total = warp_sum(acc, partial)
+        if lane == 0 and n < N:
+            out[t, n] = total
+
+
+@kernel(f"void({_Q_ARGS})")
+def qmatmul_tiled_kernel(w_words, scale, bias, has_bias, group, x_words, xd, xs, out):
+    """out (T, N); block (TILE_N, TILE_T), grid (ceil(N / TILE_N), ceil(T / TILE_T))."""
+    w_sh = cuda.shared.array((TILE_N, CHUNK_WORDS_PAD), np.int32)
+    x_sh = cuda.shared.array((TILE_T, CHUNK_WORDS_PAD), np.int32)
+    tn = cuda.threadIdx.x
+    tt = cuda.threadIdx.y
+    n0 = cuda.blockIdx.x * TILE_N
+    t0 = cuda.blockIdx.y * TILE_T
+    n = n0 + tn
+    t = t0 + tt
+    N, n_words = w_words.shape
+    T = x_words.shape[0]
+    n_groups = scale.shape[1]
+    words_per_group = group // 4
+    flat = tt * TILE_N + tn
+    acc = np.float32(0.0)
+    for c0 in range(0, n_words, CHUNK_WORDS):
+        for e in range(flat, TILE_N * CHUNK_WORDS, TILE_N * TILE_T):
+            row = e // CHUNK_WORDS
+            col = e % CHUNK_WORDS
+            ok = n0 + row < N and c0 + col < n_words
+            w_sh[row, col] = w_words[n0 + row, c0 + col] if ok else 0
+        for e in range(flat, TILE_T * CHUNK_WORDS, TILE_N * TILE_T):
+            row = e // CHUNK_WORDS
+            col = e % CHUNK_WORDS
+            ok = t0 + row < T and c0 + col < n_words
+            x_sh[row, col] = x_words[t0 + row, c0 + col] if ok else 0
+        cuda.syncthreads()
+        if n < N and t < T:
+            g0 = c0 // words_per_group
+            for gi in range(min(CHUNK_WORDS // words_per_group, n_groups - g0)):
+                isum = 0
+                for j in range(gi * words_per_group, (gi + 1) * words_per_group):
+                    isum += dot4(w_sh[tn, j], x_sh[tt, j])
+                g = g0 + gi
+                acc += scale[n, g] * xd[t, g] * np.float32(isum)
+                if has_bias:
+                    acc += bias[n, g] * xs[t, g]
+        cuda.syncthreads()
+    if n < N and t < T:
+        out[t, n] = acc
+
+
+@kernel("void(float32[:, ::1], float32[:, ::1], float32[:, ::1])",
+        "void(float16[:, ::1], float32[:, ::1], float32[:, ::1])")
+def fmatvec_kernel(w, x, out):
+    """out (T, N) = x (T, K) @ w (N, K).T for small T; launch as qmatvec_kernel."""
+    partial = cuda.shared.array((MATVEC_ROWS, WARP), np.float32)  # warp_sum's scratch (simulator only)
+    lane = cuda.threadIdx.x
+    r = cuda.threadIdx.y
+    n = cuda.blockIdx.x * MATVEC_ROWS + r
+    N, K = w.shape
+    for t in range(out.shape[0]):
+        acc = np.float32(0.0)
+        if n < N:
+            for k in range(lane, K, WARP):
+                acc += np.float32(w[n, k]) * x[t, k]
+        total = warp_sum(acc, partial)
+        if lane == 0 and n < N:
+            out[t, n] = total
+
+
+@kernel("void(float32[:, ::1], float32[:, ::1], float32[:, ::1])",
+        "void(float16[:, ::1], float32[:, ::1], float32[:, ::1])")
+def fmatmul_tiled_kernel(w, x, out):
+    """out (T, N) = x @ w.T; launch as qmatmul_tiled_kernel."""
+    w_sh = cuda.shared.array((TILE_N, CHUNK_F_PAD), np.float32)
+    x_sh = cuda.shared.array((TILE_T, CHUNK_F_PAD), np.float32)
+    tn = cuda.threadIdx.x
+    tt = cuda.threadIdx.y
+    n0 = cuda.blockIdx.x * TILE_N
+    t0 = cuda.blockIdx.y * TILE_T
+    N, K = w.shape
+    T = x.shape[0]
+    flat = tt * TILE_N + tn
+    acc = np.float32(0.0)
+    for c0 in range(0, K, CHUNK_F):
+        for e in range(flat, TILE_N * CHUNK_F, TILE_N * TILE_T):
+            row = e // CHUNK_F
+            col = e % CHUNK_F
+            ok = n0 + row < N and c0 + col < K
+            w_sh[row, col] = np.float32(w[n0 + row, c0 + col]) if ok else np.float32(0.0)
+        for e in range(flat, TILE_T * CHUNK_F, TILE_N * TILE_T):
+            row = e // CHUNK_F
+            col = e % CHUNK_F
+            ok = t0 + row < T and c0 + col < K
+            x_sh[row, col] = x[t0 + row, c0 + col] if ok else np.float32(0.0)
+        cuda.syncthreads()
+        for j in range(CHUNK_F):
+            acc += w_sh[tn, j] * x_sh[tt, j]
+        cuda.syncthreads()
+    if n0 + tn < N and t0 + tt < T:
+        out[t0 + tt, n0 + tn] = acc
+
+
+@kernel("void(float32[:, ::1], float32[:, ::1])")
+def round_f16_kernel(x, out):
+    """out = x rounded to float16 values (T, K); grid over T * K threads."""
+    i = cuda.grid(1)
+    if i < x.size:
+        t = i // x.shape[1]
+        k = i % x.shape[1]
+        out[t, k] = f16_round(x[t, k])
+
+
+@kernel("void(uint32[:, ::1], uint32[:, ::1])")
+def round_bf16_kernel(x_bits, out_bits):
+    """The bits of x rounded to bfloat16 (nearest even), on uint32 views of float32 (T, K) arrays."""
+    i = cuda.grid(1)
+    if i < x_bits.size:
+        t = i // x_bits.shape[1]
+        k = i % x_bits.shape[1]
+        b = int(x_bits[t, k])
+        out_bits[t, k] = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class QWeights:
+    """A quantized matrix on the device (see the module doc)."""
+
+    words: object   # int32 (N, K/4)
+    scale: object   # float32 (N, K/G)
+    bias: object    # float32 (N, K/G), or (1, 1) when has_bias is False
+    has_bias: bool
+    group: int
+    n_rows: int
+    n_cols: int
+
+
+@dataclass
+class FWeights:
+    """A float matrix on the device: weight (N, K) float16 (F16) or float32 (F32, BF16)."""
+
+    weight: object
+    round_mode: str  # activations are rounded to this type first: "f32" (none), "f16", "bf16"
+    n_rows: int
+    n_cols: int
+
+
+def gpu_layout(q: np.ndarray, scale: np.ndarray, bias: np.ndarray):
+    """Uniform layout (q (N, K) int8, scale, bias (N, K/G) or (N, 0)) -> host arrays of the GPU layout."""
+    N, K = q.shape
+    if K % 4:
+        raise ValueError(f"row length {K} is not a multiple of 4")
+    words = np.ascontiguousarray(q, dtype=np.int8).view("<i4").astype(np.int32, copy=False)
+    has_bias = bias.shape[1] > 0
+    bias_arr = np.ascontiguousarray(bias, np.float32) if has_bias else np.zeros((1, 1), np.float32)
+    return words.reshape(N, K // 4), np.ascontiguousarray(scale, np.float32), bias_arr, has_bias
+
+
+def upload_matrix(q: np.ndarray, scale: np.ndarray, bias: np.ndarray, group: int) -> QWeights:
+    """Build the GPU layout of a quantized matrix and copy it to the device (once, at load)."""
+    if group not in (16, 32) or scale.shape[1] * group != q.shape[1]:
+        raise ValueError(f"group {group} does not match q {q.shape} and scale {scale.shape}")
+    words, scale, bias, has_bias = gpu_layout(q, scale, bias)
+    return QWeights(cuda.to_device(words), cuda.to_device(scale), cuda.to_device(bias), has_bias, group,
+                    q.shape[0], q.shape[1])
+
+
+def upload_float_matrix(weight: np.ndarray, fmt_name: str) -> FWeights:
+    """weight (N, K) with the values of an F32, F16 or BF16 tensor -> device copy."""
+    modes = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+    dtype = np.float16 if fmt_name == "F16" else np.float32
+    dev = cuda.to_device(np.ascontiguousarray(weight, dtype=dtype))
+    return FWeights(dev, modes[fmt_name], weight.shape[0], weight.shape[1])
+
+
+def _grid(n: int, per_block: int) -> int:
+    return (n + per_block - 1) // per_block
+
+
+def _use_tiled(T: int, batched: bool | None) -> bool:
+    return T > MATVEC_MAX_T if batched is None else batched
+
+
+def qmatmul(w: QWeights, act, out, batched: bool | None = None):
+    """out (T, N) = x @ W.T on the device, act the QActivations of x for w's activation kind.
+
+    batched: use the tiled kernel (True) or the matrix-vector one (False); None: by T."""
+    T, K = act.shape
+    if K != w.n_cols or out.shape != (T, w.n_rows):
+        raise ValueError(f"shapes: W ({w.n_rows}, {w.n_cols}), x ({T}, {K}), out {out.shape}")
+    xd, xs = act.scales(w.group)
+    args = (w.words, w.scale, w.bias, int(w.has_bias), w.group, act.words, xd, xs, out)
+    if not _use_tiled(T, batched):
+        qmatvec_kernel[_grid(w.n_rows, MATVEC_ROWS), (WARP, MATVEC_ROWS)](*args)
+    else:
+        qmatmul_tiled_kernel[(_grid(w.n_rows, TILE_N), _grid(T, TILE_T)), (TILE_N, TILE_T)](*args)
+    return out
+
+
+def round_activations(x, mode: str, out):
+    """out = x rounded to float16 ("f16") or bfloat16 ("bf16") values; device (T, K) float32."""
+    threads = pow2_threads(x.size, hi=256)
+    blocks = _grid(x.size, threads)
+    if mode == "f16":
+        round_f16_kernel[blocks, threads](x, out)
+    elif mode == "bf16":
+        round_bf16_kernel[blocks, threads](x.view(np.uint32), out.view(np.uint32))
+    else:
+        raise ValueError(f"unknown rounding {mode!r}")
+    return out
+
+
+def fmatmul(w: FWeights, x, out, scratch=None, batched: bool | None = None):
+    """out (T, N) = x @ W.T with x (T, K) float32 rounded to the weight type (into scratch) first."""
+    T, K = x.shape
+    if K != w.n_cols or out.shape != (T, w.n_rows):
+        raise ValueError(f"shapes: W ({w.n_rows}, {w.n_cols}), x ({T}, {K}), out {out.shape}")
+    if w.round_mode != "f32":
+        if scratch is None or scratch.shape != x.shape:
+            scratch = cuda.device_array(x.shape, np.float32)
+        x = round_activations(x, w.round_mode, scratch)
+    if not _use_tiled(T, batched):
+        fmatvec_kernel[_grid(w.n_rows, MATVEC_ROWS), (WARP, MATVEC_ROWS)](w.weight, x, out)
+    else:
+        fmatmul_tiled_kernel[(_grid(w.n_rows, TILE_N), _grid(T, TILE_T)), (TILE_N, TILE_T)](w.weight, x, out)
+    return out

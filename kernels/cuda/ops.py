@@ -1,0 +1,178 @@
+"""Element-wise kernels and RoPE + KV-cache store, matching minillm.kernels.cpu.ops.
+
+Shapes: T tokens, H query heads, Hkv key/value heads, D head dimension, S cache slots, F the
+feed-forward width. The device KV cache is float16 (S, Hkv, D): the CPU keeps the same
+f16-rounded values in float32.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from ..cpu.ops import GELU_COEF_A, SQRT_2_OVER_PI
+from .device import f16_round, pow2_threads
+from .registry import device, kernel
+
+THREADS = 256
+
+_ROPE_SIG = ("void(float32[:, ::1], float32[:, ::1], float32[:, ::1], int64[::1], int64, int64, int64, "
+             "float32, float32, boolean, int64[::1], float16[:, :, ::1], float16[:, :, ::1], int64[::1])")
+
+
+@device
+def _rope_angle(pos, pair, theta_scale, freq_scale):
+    """freq_scale * pos * theta_scale^pair, the power taken by repeated float32 products as
+    ggml_rope_cache_init does (so the angles equal the CPU's rope_angles)."""
+    theta = np.float32(pos)
+    for _ in range(pair):
+        theta = np.float32(theta * theta_scale)
+    return freq_scale * theta
+
+
+@kernel(_ROPE_SIG)
+def rope_store_kv_kernel(q, k, v, positions, n_heads, n_kv_heads, n_dims, theta_scale, freq_scale, neox,
+                         slots, kcache, vcache, kv_pos):
+    """Rotate q (T, H*D) and k (T, Hkv*D) in place, then store k and v rounded to f16 into
+    kcache/vcache (S, Hkv, D) at rows slots[t], and kv_pos[slots[t]] = positions[t].
+
+    One thread per (t, head of q then of k, j < D/2): j < n_dims/2 rotates the pair j (neox:
+    (j, j + n_dims/2), else (2j, 2j+1)); the other threads carry dims n_dims.. D-1 to the cache.
+    Grid over T * (H + Hkv) * D/2 threads."""
+    D = kcache.shape[2]
+    half_d = D // 2
+    half = n_dims // 2
+    i = cuda.grid(1)
+    if i >= q.shape[0] * (n_heads + n_kv_heads) * half_d:
+        return
+    j = i % half_d
+    head = (i // half_d) % (n_heads + n_kv_heads)
+    t = i // (half_d * (n_heads + n_kv_heads))
+    is_q = head < n_heads
+    h = head if is_q else head - n_heads
+    if j < half:
+        a = j if neox else 2 * j
+        b = j + half if neox else 2 * j + 1
+    else:
+        a = n_dims + 2 * (j - half)
+        b = a + 1
+    a += h * D
+    b += h * D
+    x0 = q[t, a] if is_q else k[t, a]
+    x1 = q[t, b] if is_q else k[t, b]
+    if j < half:
+        angle = _rope_angle(positions[t], j, theta_scale, freq_scale)
+        c = np.float32(math.cos(angle))
+        s = np.float32(math.sin(angle))
+        r0 = x0 * c - x1 * s
+        r1 = x0 * s + x1 * c
+        x0 = r0
+        x1 = r1
+        if is_q:
+            q[t, a] = x0
+            q[t, b] = x1
+        else:
+            k[t, a] = x0
+            k[t, b] = x1
+    if not is_q:
+        slot = slots[t]
+        kcache[slot, h, a - h * D] = x0
+        kcache[slot, h, b - h * D] = x1
+        vcache[slot, h, a - h * D] = v[t, a]
+        vcache[slot, h, b - h * D] = v[t, b]
+        if h == 0 and j == 0:
+            kv_pos[slot] = positions[t]
+
+
+@kernel("void(float32[:, ::1], float32[:, ::1], float32[:, ::1])")
+def swiglu_kernel(gate, up, out):
+    """out = silu(gate) * up (T, F); grid over T * F threads."""
+    i = cuda.grid(1)
+    if i < gate.size:
+        t = i // gate.shape[1]
+        j = i % gate.shape[1]
+        g = gate[t, j]
+        out[t, j] = (g / (np.float32(1.0) + np.float32(math.exp(-g)))) * up[t, j]
+
+
+@device
+def _gelu(x):
+    inner = SQRT_2_OVER_PI * x * (np.float32(1.0) + GELU_COEF_A * x * x)
+    return np.float32(0.5) * x * (np.float32(1.0) + np.float32(math.tanh(inner)))
+
+
+@kernel("void(float32[:, ::1], float32[:, ::1], float32[:, ::1])")
+def geglu_kernel(gate, up, out):
+    """out = gelu(gate) * up as ggml with GGML_GELU_FP16 (the gelu of an f16 input, rounded to f16)."""
+    i = cuda.grid(1)
+    if i < gate.size:
+        t = i // gate.shape[1]
+        j = i % gate.shape[1]
+        g = gate[t, j]
+        if g <= np.float32(-10.0):
+            out[t, j] = np.float32(0.0)
+        elif g >= np.float32(10.0):
+            out[t, j] = g * up[t, j]
+        else:
+            out[t, j] = f16_round(_gelu(f16_round(g))) * up[t, j]
+
+
+@kernel("void(float32[:, ::1], float32[:, ::1])")
+def add_kernel(x, y):
+    """x += y (T, E); grid over T * E threads."""
+    i = cuda.grid(1)
+    if i < x.size:
+        t = i // x.shape[1]
+        j = i % x.shape[1]
+        x[t, j] += y[t, j]
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------
+def _launch(n: int) -> tuple[int, int]:
+    """(blocks, threads) for one thread per item: THREADS a block, fewer for tiny batches."""
+    threads = pow2_threads(n, hi=THREADS)
+    return max(1, (n + threads - 1) // threads), threads
+
+
+def rope_theta_scale(freq_base: float, n_dims: int) -> np.float32:
+    """The per-pair factor of the rotation angle, computed as the CPU's rope_angles does."""
+    return np.float32(np.float32(freq_base) ** np.float32(-2.0 / n_dims))
+
+
+def rope_store_kv(q, k, v, positions, slots, n_heads: int, n_dims: int, freq_base: float,
+                  freq_scale: float, neox: bool, kcache, vcache, kv_pos):
+    """RoPE on q and k (in place) and the store of k, v into the f16 cache, in one launch.
+
+    q (T, H*D), k/v (T, Hkv*D) float32; positions, slots (T,) int64; kcache/vcache (S, Hkv, D)
+    float16; kv_pos (S,) int64. n_dims = 0 stores without rotating (pass k as q with n_heads 0
+    to skip q)."""
+    T = k.shape[0]
+    n_kv_heads, D = kcache.shape[1], kcache.shape[2]
+    theta_scale = rope_theta_scale(freq_base, n_dims) if n_dims else np.float32(1.0)
+    n = T * (n_heads + n_kv_heads) * (D // 2)
+    rope_store_kv_kernel[_launch(n)](q, k, v, positions, n_heads, n_kv_heads, n_dims, theta_scale,
+                                     np.float32(freq_scale), bool(neox), slots, kcache, vcache, kv_pos)
+
+
+def store_kv(k, v, positions, slots, kcache, vcache, kv_pos):
+    """Store k, v (T, Hkv*D) into the f16 cache at `slots` without rotating (rope_store_kv with
+    no rotary dims and no query heads)."""
+    rope_store_kv(k, k, v, positions, slots, 0, 0, 1.0, 1.0, False, kcache, vcache, kv_pos)
+
+
+def swiglu(gate, up, out):
+    swiglu_kernel[_launch(gate.size)](gate, up, out)
+    return out
+
+
+def geglu(gate, up, out):
+    geglu_kernel[_launch(gate.size)](gate, up, out)
+    return out
+
+
+def add_inplace(x, y):
+    add_kernel[_launch(x.size)](x, y)
+    return x

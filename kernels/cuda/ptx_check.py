@@ -1,0 +1,80 @@
+"""Compile every registered CUDA kernel to PTX, without needing a GPU.
+
+    python -m minillm.kernels.cuda.ptx_check [--cc 9.0] [--out DIR]
+
+Needs the real CUDA target (NUMBA_ENABLE_CUDASIM unset) and NVVM, which the `cuda` extra brings
+(numba-cuda[cu13] installs NVVM, NVRTC and libdevice as wheels, found by cuda-pathfinder: no
+CUDA_HOME needed). Prints one line per kernel signature and exits 1 if any fails.
+
+numba-cuda compiles a kernel's device functions for the *current device's* compute capability,
+which asks the driver; with no GPU that fails even inside compile_ptx. While compiling here,
+the device query answers with the requested capability instead (_assume_device).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+import types
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def _assume_device(cc: tuple[int, int]):
+    import numba.cuda.dispatcher as dispatcher
+
+    real = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=cc)
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = real
+
+
+def compile_all(cc: tuple[int, int] = (9, 0), report=None) -> dict[tuple[str, str], str]:
+    """{(kernel name, signature): PTX} for every kernel in the registry; raises on the first failure."""
+    from numba import cuda
+    from numba.core import config
+
+    if config.ENABLE_CUDASIM:
+        raise RuntimeError("ptx_check needs the real CUDA target: unset NUMBA_ENABLE_CUDASIM")
+    from . import KERNELS  # noqa: F401  (imports every kernel module, filling the registry)
+
+    results = {}
+    with _assume_device(cc):
+        for spec in KERNELS.values():
+            for sig in spec.signatures:
+                start = time.perf_counter()
+                ptx, _ = cuda.compile_ptx(spec.pyfunc, sig, cc=cc)
+                results[spec.name, sig] = ptx
+                if report:
+                    report(f"{spec.name:28s} {len(ptx):8d} chars of PTX  {time.perf_counter() - start:5.2f} s  {sig}")
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cc", default="9.0", help="compute capability, e.g. 9.0 (Hopper), 8.0, 8.9")
+    parser.add_argument("--out", type=Path, help="write each kernel's PTX into this folder")
+    args = parser.parse_args(argv)
+    cc = tuple(int(part) for part in args.cc.split("."))
+    try:
+        results = compile_all(cc, report=print)
+    except Exception as exc:  # report which kernel failed, then the error
+        print(f"FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        names = sorted({name for name, _ in results})
+        for name in names:
+            sigs = [sig for n, sig in results if n == name]
+            for i, sig in enumerate(sigs):
+                filename = f"{name}.ptx" if len(sigs) == 1 else f"{name}_{i}.ptx"
+                (args.out / filename).write_text(results[name, sig])
+    print(f"compiled {len(results)} kernel signatures for sm_{cc[0]}{cc[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""The CUDA kernels (minillm.kernels.cuda) against the CPU kernels, on tiny random inputs.
+
+They run under NVIDIA's CUDA simulator, so no GPU is needed (MINILLM_CUDA_REAL=1 runs them on
+a real GPU instead; see cuda_env.py). The simulator runs one Python thread per CUDA thread:
+shapes stay tiny. test_every_kernel_compiles_to_ptx compiles every registered kernel to real
+sm_90 PTX in a subprocess without the simulator.
+"""
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+import cuda_env
+
+cuda_env.use_simulator_unless_real()
+
+from numba import cuda  # noqa: E402  (after the simulator is chosen)
+from synthetic import float_tensor, random_blocks  # noqa: E402
+
+from minillm.formats import FORMATS, FORMATS_BY_NAME  # noqa: E402
+from minillm.kernels import cuda as gpu  # noqa: E402
+from minillm.kernels.cpu import matmul as cpu_mm  # noqa: E402
+from minillm.kernels.cpu import ops as cpu_ops  # noqa: E402
+from minillm.kernels.cpu.unpack import dequantize, unpack  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+QUANT_FORMATS = [f.name for f in FORMATS if f.quantized]
+FLOAT_FORMATS = [f.name for f in FORMATS if not f.quantized]
+KINDS = {"q8_0": cpu_mm.KIND_Q8_0, "q8_1": cpu_mm.KIND_Q8_1, "q8_k": cpu_mm.KIND_Q8_K}
+
+
+def rng_for(*key) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(repr(key).encode()))
+
+
+def to_host(dev) -> np.ndarray:
+    return dev.copy_to_host()
+
+
+def assert_close(got, want, rel=1e-5):
+    """Equal within rel of the largest magnitude in want."""
+    np.testing.assert_allclose(got, want, rtol=0, atol=rel * max(1e-30, float(np.abs(want).max())))
+
+
+def cpu_quantize(x: np.ndarray, kind: int) -> dict[str, np.ndarray]:
+    T, K = x.shape
+    out = {"q": np.empty((T, K), np.int8)}
+    for g in (16, 32):
+        out[f"d{g}"] = np.empty((T, K // g), np.float32)
+        out[f"s{g}"] = np.empty((T, K // g), np.float32)
+        out[f"n{g}"] = np.empty((T, K // g), np.int32)
+    cpu_mm.quantize_act(x, kind, out["q"], out["d16"], out["s16"], out["n16"], out["d32"], out["s32"], out["n32"])
+    return out
+
+
+def cpu_qmatmul(q, scale, bias, group, x, kind) -> np.ndarray:
+    """The CPU's quantized product: weights repacked into VNNI tiles, x quantized for `kind`."""
+    data, scale_t, bias_t, offset, nibbles = cpu_mm.repack(q, scale, bias)
+    act = cpu_quantize(x, kind)
+    out = np.empty((x.shape[0], q.shape[0]), np.float32)
+    cpu_mm.qmatmul_tiles(data, scale_t, bias_t, group, offset, nibbles, act["q"].reshape(-1), act[f"d{group}"],
+                         act[f"s{group}"], act[f"n{group}"], out)
+    return out
+
+
+def activations_input(T: int, K: int, rng) -> np.ndarray:
+    """Random activations with the edge cases of the quantizers: a zero 32-group, a tie for the max."""
+    x = (rng.standard_normal((T, K)) * 2).astype(np.float32)
+    x[0, 32:64] = 0.0
+    x[-1, 5] = 9.0
+    x[-1, 40] = -9.0  # same |x| as x[-1, 5], later: Q8_K must keep the first (positive) one
+    return x
+
+
+def assert_quantized_equal(act, want: dict[str, np.ndarray]):
+    np.testing.assert_array_equal(to_host(act.words).view(np.int8), want["q"])
+    for name in ("d16", "s16", "d32", "s32"):
+        np.testing.assert_array_equal(to_host(getattr(act, name)), want[name], err_msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# norm and activation quantization
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_quantize_matches_cpu(kind):
+    x = activations_input(2, 512, rng_for("quantize", kind))
+    act = gpu.quantize(cuda.to_device(x), KINDS[kind])
+    assert_quantized_equal(act, cpu_quantize(x, KINDS[kind]))
+
+
+def test_rmsnorm_matches_cpu():
+    rng = rng_for("rmsnorm")
+    x = rng.standard_normal((4, 48)).astype(np.float32)  # e.g. 2 tokens x 2 heads of 48
+    weight = (1 + rng.standard_normal(48) * 0.1).astype(np.float32)
+    want = np.empty_like(x)
+    cpu_ops.rmsnorm(x, weight, np.float32(1e-6), want)
+    out = cuda.device_array_like(x)
+    gpu.rmsnorm(cuda.to_device(x), cuda.to_device(weight), 1e-6, out)
+    assert_close(to_host(out), want, 1e-6)
+
+
+def test_rmsnorm_quantize_fused_matches_cpu():
+    rng = rng_for("rmsnorm_quantize")
+    x = activations_input(3, 256, rng)
+    weight = (1 + rng.standard_normal(256) * 0.1).astype(np.float32)
+    normed = np.empty_like(x)
+    cpu_ops.rmsnorm(x, weight, np.float32(1e-5), normed)
+    out = cuda.device_array_like(x)
+    act = gpu.rmsnorm_quantize(cuda.to_device(x), cuda.to_device(weight), 1e-5, cpu_mm.KIND_Q8_K, out)
+    np.testing.assert_array_equal(to_host(out), normed)
+    assert_quantized_equal(act, cpu_quantize(normed, cpu_mm.KIND_Q8_K))
+
+
+# ---------------------------------------------------------------------------------------------
+# matrix products
+# ---------------------------------------------------------------------------------------------
+def test_gpu_layout_words_hold_the_codes():
+    q = np.random.default_rng(0).integers(-128, 128, (3, 64), dtype=np.int8)
+    words, scale, bias, has_bias = gpu.gpu_layout(q, np.ones((3, 2), np.float32), np.zeros((3, 0), np.float32))
+    assert words.dtype == np.int32 and words.shape == (3, 16) and not has_bias and bias.shape == (1, 1)
+    np.testing.assert_array_equal(words.view(np.int8), q)
+
+
+# (tokens, kernel): T = 1 through the decode kernel and T = 3 through the tiled one for every
+# format; T = 3 through the decode kernel for one format per (group, bias) pair
+MATMUL_CASES = [(1, "matvec"), (3, "tiled")]
+MATVEC_BATCH_FORMATS = ["Q4_0", "Q4_1", "Q3_K", "Q2_K"]
+QMATMUL_CASES = ([(fmt, T, path) for fmt in QUANT_FORMATS for T, path in MATMUL_CASES]
+                 + [(fmt, 3, "matvec") for fmt in MATVEC_BATCH_FORMATS])
+
+
+@pytest.mark.parametrize("fmt,T,path", QMATMUL_CASES)
+def test_qmatmul_matches_cpu(fmt, T, path):
+    """Every quantized format through the uniform layout: G = 16 and 32, with and without bias."""
+    f = FORMATS_BY_NAME[fmt]
+    rng = rng_for("qmatmul", fmt, T, path)
+    K = 256 if f.activation == "q8_k" else 96  # 96: the tiled kernel's last chunk is partial
+    N = 10  # not a multiple of either kernel's rows per block
+    raw = random_blocks(fmt, N, K, rng)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    q, scale, bias = unpack(f, raw, K)
+    want = cpu_qmatmul(q, scale, bias, f.group, x, KINDS[f.activation])
+
+    w = gpu.upload_matrix(q, scale, bias, f.group)
+    assert w.has_bias == f.has_bias and w.group == f.group
+    act = gpu.quantize(cuda.to_device(x), KINDS[f.activation])
+    out = cuda.device_array((T, N), np.float32)
+    gpu.qmatmul(w, act, out, batched=path == "tiled")
+    assert_close(to_host(out), want, 1e-5)
+
+
+def round_like_weights(x: np.ndarray, fmt: str) -> np.ndarray:
+    """The CPU's float path rounds the activations to the weight type (nearest even)."""
+    if fmt == "F16":
+        return x.astype(np.float16).astype(np.float32)
+    if fmt == "BF16":
+        bits = x.view(np.uint32)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    return x
+
+
+@pytest.mark.parametrize("T,path", MATMUL_CASES)
+@pytest.mark.parametrize("fmt", FLOAT_FORMATS)
+def test_fmatmul_matches_cpu(fmt, T, path):
+    f = FORMATS_BY_NAME[fmt]
+    rng = rng_for("fmatmul", fmt, T, path)
+    N, K = 10, 40
+    raw = np.ascontiguousarray(float_tensor(fmt, N, K, rng)).view(np.uint8).reshape(N, -1)
+    weight = dequantize(f, raw, K)  # (N, K) float32, the CPU's float matrix
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    x[0, :4] = [1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, -(1 + 3 * 2**-8)]  # f16 and bf16 rounding ties
+    want = round_like_weights(x, fmt).astype(np.float64) @ weight.T.astype(np.float64)
+
+    w = gpu.upload_float_matrix(weight, fmt)
+    out = cuda.device_array((T, N), np.float32)
+    gpu.fmatmul(w, cuda.to_device(x), out, batched=path == "tiled")
+    assert_close(to_host(out), want, 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention block ops
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("neox,n_dims", [(False, 16), (True, 16), (True, 8)])
+def test_rope_store_kv_matches_cpu(neox, n_dims):
+    rng = rng_for("rope", neox, n_dims)
+    T, H, Hkv, D, S = 3, 4, 2, 16, 6
+    positions = np.array([5, 6, 700], np.int64)
+    slots = np.array([1, 4, 2], np.int64)
+    q = rng.standard_normal((T, H * D)).astype(np.float32)
+    k = rng.standard_normal((T, Hkv * D)).astype(np.float32)
+    v = rng.standard_normal((T, Hkv * D)).astype(np.float32)
+
+    cos_t = np.empty((T, n_dims // 2), np.float32)
+    sin_t = np.empty((T, n_dims // 2), np.float32)
+    cpu_ops.rope_angles(positions, n_dims, np.float32(10000.0), np.float32(0.5), cos_t, sin_t)
+    want_q, want_k = q.copy(), k.copy()
+    cpu_ops.rope(want_q, H, D, n_dims, cos_t, sin_t, neox)
+    cpu_ops.rope(want_k, Hkv, D, n_dims, cos_t, sin_t, neox)
+    want_kc = np.zeros((S, Hkv, D), np.float32)
+    want_vc = np.zeros((S, Hkv, D), np.float32)
+    cpu_ops.store_kv(want_k, v, slots, Hkv, D, want_kc, want_vc)
+
+    dq, dk = cuda.to_device(q), cuda.to_device(k)
+    kc = cuda.to_device(np.zeros((S, Hkv, D), np.float16))
+    vc = cuda.to_device(np.zeros((S, Hkv, D), np.float16))
+    kv_pos = cuda.to_device(np.full(S, -1, np.int64))
+    gpu.rope_store_kv(dq, dk, cuda.to_device(v), cuda.to_device(positions), cuda.to_device(slots), H, n_dims,
+                      10000.0, 0.5, neox, kc, vc, kv_pos)
+    assert_close(to_host(dq), want_q, 1e-6)
+    assert_close(to_host(dk), want_k, 1e-6)
+    np.testing.assert_allclose(to_host(kc).astype(np.float32), want_kc, rtol=1e-3)  # at most 1 f16 step
+    np.testing.assert_array_equal(to_host(vc).astype(np.float32), want_vc)
+    np.testing.assert_array_equal(to_host(kv_pos)[slots], positions)
+
+
+def test_store_kv_without_rope_matches_cpu():
+    rng = rng_for("store_kv")
+    T, Hkv, D, S = 2, 2, 8, 5
+    k = rng.standard_normal((T, Hkv * D)).astype(np.float32)
+    v = rng.standard_normal((T, Hkv * D)).astype(np.float32)
+    positions, slots = np.array([3, 4], np.int64), np.array([4, 0], np.int64)
+    want_kc = np.zeros((S, Hkv, D), np.float32)
+    want_vc = np.zeros((S, Hkv, D), np.float32)
+    cpu_ops.store_kv(k, v, slots, Hkv, D, want_kc, want_vc)
+
+    dk = cuda.to_device(k)
+    kc = cuda.to_device(np.zeros((S, Hkv, D), np.float16))
+    vc = cuda.to_device(np.zeros((S, Hkv, D), np.float16))
+    kv_pos = cuda.to_device(np.full(S, -1, np.int64))
+    gpu.store_kv(dk, cuda.to_device(v), cuda.to_device(positions), cuda.to_device(slots), kc, vc, kv_pos)
+    np.testing.assert_array_equal(to_host(kc).astype(np.float32), want_kc)
+    np.testing.assert_array_equal(to_host(vc).astype(np.float32), want_vc)
+    np.testing.assert_array_equal(to_host(dk), k)
+    np.testing.assert_array_equal(to_host(kv_pos), [4, -1, -1, -1, 3])
+
+
+# (window, n_keep, ring_start): unlimited and sliding window; a wrapped ring with sinks
+ATTENTION_CASES = [(0, 0, 0), (3, 0, 0), (0, 2, 7), (5, 3, 30)]
+
+
+@pytest.mark.parametrize("window,n_keep,ring_start", ATTENTION_CASES)
+def test_attention_matches_cpu(window, n_keep, ring_start):
+    """GQA (4 query heads on 2 KV heads), empty slots, keys scanned in chronological order from
+    the ring's start, causal + sliding window."""
+    rng = rng_for("attention", window, n_keep, ring_start)
+    T, H, Hkv, D, S = 2, 4, 2, 16, 40
+    q = rng.standard_normal((T, H * D)).astype(np.float32)
+    kc = rng.standard_normal((S, Hkv, D)).astype(np.float16)
+    vc = rng.standard_normal((S, Hkv, D)).astype(np.float16)
+    n_used, scale = 38, 0.25
+    kv_pos = np.full(S, -1, np.int64)
+    kv_pos[:36] = rng.permutation(36)  # slots 36, 37 scanned but empty, 38.. unused
+    q_pos = np.array([34, 35], np.int64)
+    want = np.empty((T, H * D), np.float32)
+    cpu_ops.attention(q, q_pos, kc.astype(np.float32), vc.astype(np.float32), kv_pos, n_used, n_keep, ring_start,
+                      window, np.float32(scale), H, want)
+
+    out = cuda.device_array((T, H * D), np.float32)
+    gpu.attention(cuda.to_device(q), cuda.to_device(q_pos), cuda.to_device(kc), cuda.to_device(vc),
+                  cuda.to_device(kv_pos), n_used, n_keep, ring_start, window, scale, H, out)
+    np.testing.assert_allclose(to_host(out), want, rtol=2e-3, atol=2e-3)
+
+
+def glu_inputs(name):
+    rng = rng_for(name)
+    gate = (rng.standard_normal((3, 40)) * 4).astype(np.float32)
+    gate[0, :4] = [-12.0, -10.0, 10.0, 15.0]  # geglu's limits
+    return gate, rng.standard_normal((3, 40)).astype(np.float32)
+
+
+def test_swiglu_matches_cpu():
+    gate, up = glu_inputs("swiglu")
+    want = np.empty_like(gate)
+    cpu_ops.swiglu(gate, up, want)
+    out = cuda.device_array_like(gate)
+    gpu.swiglu(cuda.to_device(gate), cuda.to_device(up), out)
+    assert_close(to_host(out), want, 1e-6)
+
+
+def test_geglu_matches_cpu():
+    gate, up = glu_inputs("geglu")
+    want = np.empty_like(gate)
+    cpu_ops.geglu(gate, up, want)
+    out = cuda.device_array_like(gate)
+    gpu.geglu(cuda.to_device(gate), cuda.to_device(up), out)
+    np.testing.assert_allclose(to_host(out), want, rtol=1e-3, atol=1e-6)  # gelu rounded to f16
+
+
+def test_add_inplace_matches_cpu():
+    rng = rng_for("add")
+    x = rng.standard_normal((3, 40)).astype(np.float32)
+    y = rng.standard_normal((3, 40)).astype(np.float32)
+    dx = cuda.to_device(x)
+    gpu.add_inplace(dx, cuda.to_device(y))
+    cpu_ops.add_inplace(x, y)
+    np.testing.assert_array_equal(to_host(dx), x)
+
+
+# ---------------------------------------------------------------------------------------------
+# every kernel is registered, and compiles to real PTX
+# ---------------------------------------------------------------------------------------------
+def _is_kernel(obj) -> bool:
+    """A numba.cuda kernel object (simulated or real), not a device function."""
+    kernel_type = type(gpu.attention_kernel)
+    if not isinstance(obj, kernel_type):
+        return False
+    device = getattr(obj, "_device", None)  # the simulator's kernels
+    if device is None:
+        device = obj.targetoptions.get("device", False)
+    return not device
+
+
+def test_every_kernel_is_registered():
+    modules = [importlib.import_module(f"minillm.kernels.cuda.{name}")
+               for name in ("attention", "matmul", "norm_quant", "ops")]
+    found = {name for module in modules for name, obj in vars(module).items() if _is_kernel(obj)}
+    assert found == set(gpu.KERNELS), "declare kernels with registry.kernel(...)"
+    assert len(found) >= 10
+
+
+def test_every_kernel_compiles_to_ptx():
+    proc = subprocess.run([sys.executable, "-m", "minillm.kernels.cuda.ptx_check", "--cc", "9.0"],
+                          capture_output=True, text=True, env=cuda_env.environment_for_ptx_check(), timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    n_signatures = sum(len(spec.signatures) for spec in gpu.KERNELS.values())
+    assert f"compiled {n_signatures} kernel signatures for sm_90" in proc.stdout
