@@ -15,9 +15,8 @@ def run_bench(path, n_prompt: int, n_gen: int, reps: int, threads, log=print) ->
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     n_ctx = max(n_prompt, n_gen) + 1
-    log("warming up (the first run ever compiles the kernels)")
+    model.warm_up(log=log)
     model.eval(rng.integers(0, model.n_vocab, size=min(8, n_ctx)), model.new_cache(n_ctx), logits_from=7)
-    model.eval([1], model.new_cache(2))
 
     result = {"model": model.path.name, "threads": model.threads, "load_s": round(load_s, 3),
               "n_prompt": n_prompt, "n_gen": n_gen}

@@ -113,6 +113,7 @@ def perplexity(
     except (OSError, UnicodeDecodeError) as exc:
         raise MinillmError(f"cannot read {file}: {exc}") from None
     m = Model(model, threads=threads)
+    m.warm_up(log=_err)
     with tqdm(total=None, unit="chunk", file=sys.stderr, disable=as_json) as bar:
         def progress(done, total, ppl):
             bar.total = total

@@ -37,7 +37,9 @@ def register(app: typer.Typer) -> None:
 
         params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
                                                    presence_penalty, frequency_penalty, seed))
-        session = Chat(Model(model, threads=threads), params, n_predict=n_predict, n_ctx=ctx, system=system,
+        m = Model(model, threads=threads)
+        m.warm_up(log=lambda text: print(text, file=sys.stderr))
+        session = Chat(m, params, n_predict=n_predict, n_ctx=ctx, system=system,
                        template_path=chat_template, verbose=verbose)
         if not sys.stdin.isatty():
             text = sys.stdin.read().strip()

@@ -77,6 +77,7 @@ def register(app: typer.Typer) -> None:
         params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
                                                    presence_penalty, frequency_penalty, seed))
         m = Model(model, threads=threads)
+        m.warm_up(log=_err)
         if chat or system is not None or chat_template is not None:
             messages = ([{"role": "system", "content": system}] if system is not None else [])
             messages.append({"role": "user", "content": text})

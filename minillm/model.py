@@ -35,6 +35,19 @@ class Model:
         self._tokenizer = None
         self.load_seconds = time.perf_counter() - t0
 
+    def warm_up(self, log=None) -> None:
+        """Run one token through the model so that the compiled kernels are ready. On the first
+        run on a machine that compiles them (about a minute): say so, with a spinner."""
+        if log is not None and not self.arch.kernels_cached():
+            from rich.console import Console
+
+            console = Console(stderr=True)
+            with console.status("Compiling the kernels for this CPU (first run only, about a minute)..."):
+                self.eval([0], self.new_cache(2))
+            log("kernels compiled and cached")
+            return
+        self.eval([0], self.new_cache(2))
+
     @property
     def n_vocab(self) -> int:
         return self.hp.n_vocab

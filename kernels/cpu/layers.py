@@ -64,19 +64,42 @@ def _round_to_format(x, fmt):
 
 
 @nb.njit(**_SER)
-def linear(w, x):
-    """out (T, N) = x (T, K) @ W.T, activations quantized as llama.cpp pairs them with W."""
+def _apply(w, x, act):
+    """out (T, N) = x @ W.T with act = quantize(x, W's kind) (unused for float weights)."""
     data, scale, bias, offset, nibbles, fweight, n_rows, group, kind, float_format = w
     out = np.empty((x.shape[0], n_rows), np.float32)
     if kind < 0:
         _float_matmul(fweight, _round_to_format(x, float_format), out)
         return out
-    q, d16, s16, n16, d32, s32, n32 = quantize(x, kind)
+    q, d16, s16, n16, d32, s32, n32 = act
     if group == 16:
         qmatmul_tiles(data, scale, bias, group, offset, nibbles, q, d16, s16, n16, out)
     else:
         qmatmul_tiles(data, scale, bias, group, offset, nibbles, q, d32, s32, n32, out)
     return out
+
+
+@nb.njit(**_SER)
+def linear(w, x):
+    """out (T, N) = x (T, K) @ W.T, activations quantized as llama.cpp pairs them with W."""
+    return _apply(w, x, quantize(x, max(w[8], 0)))
+
+
+@nb.njit(**_SER)
+def linear2(w1, w2, x):
+    """(x @ W1.T, x @ W2.T), quantizing x once when both take the same activation kind."""
+    a1 = quantize(x, max(w1[8], 0))
+    a2 = a1 if w2[8] == w1[8] else quantize(x, max(w2[8], 0))
+    return _apply(w1, x, a1), _apply(w2, x, a2)
+
+
+@nb.njit(**_SER)
+def linear3(w1, w2, w3, x):
+    """(x @ W1.T, x @ W2.T, x @ W3.T), quantizing x once per distinct activation kind."""
+    a1 = quantize(x, max(w1[8], 0))
+    a2 = a1 if w2[8] == w1[8] else quantize(x, max(w2[8], 0))
+    a3 = a1 if w3[8] == w1[8] else (a2 if w3[8] == w2[8] else quantize(x, max(w3[8], 0)))
+    return _apply(w1, x, a1), _apply(w2, x, a2), _apply(w3, x, a3)
 
 
 @nb.njit(**_SER)

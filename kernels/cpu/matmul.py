@@ -22,7 +22,7 @@ import numba as nb
 import numpy as np
 
 from .f16 import f16_round
-from .vnni import R, tile_dot, tile_dot_nib
+from .vnni import R, tile_dot, tile_dot4, tile_dot4_nib, tile_dot_nib
 
 KIND_Q8_0, KIND_Q8_1, KIND_Q8_K = 0, 1, 2
 KIND_IDS = {"q8_0": KIND_Q8_0, "q8_1": KIND_Q8_1, "q8_k": KIND_Q8_K}
@@ -94,38 +94,51 @@ def quantize_act(x, kind, xq, d16, s16, n16, d32, s32, n32):
 @nb.njit(**_PAR)
 def qmatmul_tiles(data, scale, bias, G, offset, nibbles, xq, xd, xs, xn, out):
     """out (T, N) = x @ W.T for W in tiles; xq (T*K,) flat; xd/xs/xn (T, K/G) for W's group G;
-    codes stored as q + offset, in bytes or (nibbles) two a byte."""
+    codes stored as q + offset, in bytes or (nibbles) two a byte. Tokens go 4 at a time."""
     NT, ng = scale.shape[0], scale.shape[1]
     T, N = out.shape
     K = ng * G
     steps = G // 4
     group_bytes = G * R // 2 if nibbles else G * R
-    has_bias = bias.shape[1] > 0
     for nt in nb.prange(NT):
-        iacc = np.empty(R, np.int32)
-        facc = np.empty(R, np.float32)
-        for t in range(T):
+        iacc = np.empty(4 * R, np.int32)   # (4 tokens, R rows) integer group sums
+        facc = np.empty(4 * R, np.float32)  # (4 tokens, R rows) float accumulators
+        for t0 in range(0, T, 4):
+            n_tok = min(4, T - t0)
             facc[:] = 0
             for g in range(ng):
                 start = (nt * ng + g) * group_bytes
-                if nibbles:
-                    tile_dot_nib(data, start, xq, t * K + g * G, steps, iacc)
+                if n_tok == 4:
+                    if nibbles:
+                        tile_dot4_nib(data, start, xq, t0 * K + g * G, K, steps, iacc)
+                    else:
+                        tile_dot4(data, start, xq, t0 * K + g * G, K, steps, iacc)
                 else:
-                    tile_dot(data, start, xq, t * K + g * G, steps, iacc)
-                shift = np.int32(offset) * xn[t, g]
-                sd = xd[t, g]
-                sc = scale[nt, g]
-                if has_bias:
-                    ss = xs[t, g]
-                    bs = bias[nt, g]
-                    for r in range(R):
-                        facc[r] += sc[r] * sd * np.float32(iacc[r] - shift) + bs[r] * ss
-                else:
-                    for r in range(R):
-                        facc[r] += sc[r] * sd * np.float32(iacc[r] - shift)
+                    for tok in range(n_tok):
+                        if nibbles:
+                            tile_dot_nib(data, start, xq, (t0 + tok) * K + g * G, steps, iacc[tok * R:])
+                        else:
+                            tile_dot(data, start, xq, (t0 + tok) * K + g * G, steps, iacc[tok * R:])
+                for tok in range(n_tok):
+                    _accumulate_group(facc[tok * R:(tok + 1) * R], iacc[tok * R:(tok + 1) * R], scale[nt, g],
+                                      bias, nt, g, np.int32(offset) * xn[t0 + tok, g], xd[t0 + tok, g],
+                                      xs[t0 + tok, g])
             n0 = nt * R
-            for r in range(min(R, N - n0)):
-                out[t, n0 + r] = facc[r]
+            for tok in range(n_tok):
+                for r in range(min(R, N - n0)):
+                    out[t0 + tok, n0 + r] = facc[tok * R + r]
+
+
+@nb.njit(inline="always", cache=True, nogil=True, fastmath=True)
+def _accumulate_group(facc, iacc, sc, bias, nt, g, shift, sd, ss):
+    """facc (R,) += scale * d_x * (isum - offset * sum(x)) (+ bias * s_x) for one group."""
+    if bias.shape[1] > 0:
+        bs = bias[nt, g]
+        for r in range(R):
+            facc[r] += sc[r] * sd * np.float32(iacc[r] - shift) + bs[r] * ss
+    else:
+        for r in range(R):
+            facc[r] += sc[r] * sd * np.float32(iacc[r] - shift)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)

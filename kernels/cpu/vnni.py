@@ -9,7 +9,8 @@ as unsigned (q + 128). One step of the loop:
 
 so after n_k4 steps out[r] = sum_k code[r, k] * x[k], code = q + offset; the caller subtracts
 offset * sum(x). `tile_dot_nib` reads 4-bit codes, two columns per byte (half the bytes).
-The `_portable` versions compute the same in plain Numba for CPUs without AVX-512 VNNI.
+`tile_dot4` does 4 tokens at once, reusing each weight load (prefill). The `_portable`
+versions compute the same in plain Numba for CPUs without AVX-512 VNNI.
 """
 import llvmlite.binding as llvm_binding
 import numba as nb
@@ -32,19 +33,22 @@ def _data_pointer(context, builder, array_type, array, offset):
     return builder.bitcast(builder.gep(data, [offset]), ir.IntType(8).as_pointer())
 
 
-def _make_vnni_intrinsic(nibbles: bool):
-    """The tile dot product for bytes (one k4 step per 128 bytes) or nibbles (two k4 steps per
-    128 bytes: low nibbles are columns 8p..8p+3, high nibbles 8p+4..8p+7)."""
+def _make_vnni_intrinsic(nibbles: bool, n_tok: int):
+    """The tile dot product of n_tok tokens (each weight load reused n_tok times) for bytes (one
+    k4 step per 128 bytes) or nibbles (two k4 steps per 128 bytes: low nibbles are columns
+    8p..8p+3, high nibbles 8p+4..8p+7). out[tok * 32 + r]; token tok's codes at x_off + tok * x_stride."""
 
     @intrinsic
-    def tile_dot(typingctx, w, w_off, x, x_off, n_k4, out):
-        sig = types.void(w, types.intp, x, types.intp, types.intp, out)
+    def tile_dot(typingctx, w, w_off, x, x_off, x_stride, n_k4, out):
+        sig = types.void(w, types.intp, x, types.intp, types.intp, types.intp, out)
 
         def codegen(context, builder, signature, args):
-            w_arr, w_off, x_arr, x_off, n, out_arr = args
+            w_arr, w_off, x_arr, x_off, x_stride, n, out_arr = args
             wp = _data_pointer(context, builder, signature.args[0], w_arr, w_off)
-            xp = _data_pointer(context, builder, signature.args[2], x_arr, x_off)
-            op = cgutils.create_struct_proxy(signature.args[5])(context, builder, value=out_arr).data
+            xps = [_data_pointer(context, builder, signature.args[2], x_arr,
+                                 builder.add(x_off, builder.mul(x_stride, ir.Constant(n.type, tok))))
+                   for tok in range(n_tok)]
+            op = cgutils.create_struct_proxy(signature.args[6])(context, builder, value=out_arr).data
             dpbusd = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_I32X16, [_I32X16, _I8X64, _I8X64]),
                 "llvm.x86.avx512.vpdpbusd.512")
@@ -57,48 +61,53 @@ def _make_vnni_intrinsic(nibbles: bool):
 
             builder.position_at_end(loop)
             i = builder.phi(n.type)
-            acc0, acc1 = builder.phi(_I32X16), builder.phi(_I32X16)
             i.add_incoming(ir.Constant(n.type, 0), entry)
-            acc0.add_incoming(zero, entry)
-            acc1.add_incoming(zero, entry)
+            accs = [builder.phi(_I32X16) for _ in range(2 * n_tok)]  # [tok][half]
+            for acc in accs:
+                acc.add_incoming(zero, entry)
 
-            def x_broadcast(col):  # 4 activation bytes at column col, in all 16 lanes
+            def x_broadcast(xp, col):  # 4 activation bytes at column col, in all 16 lanes
                 x4 = builder.load(builder.bitcast(builder.gep(xp, [col]), _I32.as_pointer()), align=1)
                 xv = builder.insert_element(ir.Constant(_I32X16, None), x4, ir.Constant(_I32, 0))
                 xv = builder.shuffle_vector(xv, ir.Constant(_I32X16, None), ir.Constant(_I32X16, [0] * 16))
                 return builder.bitcast(xv, _I8X64)
 
             base = builder.shl(i, ir.Constant(n.type, 7))  # 128 bytes per step
-            w0 = builder.load(builder.bitcast(builder.gep(wp, [base]), _I8X64.as_pointer()), align=1)
-            w1 = builder.load(builder.bitcast(builder.gep(wp, [builder.add(base, ir.Constant(n.type, 64))]),
-                                              _I8X64.as_pointer()), align=1)
+            halves = [builder.load(builder.bitcast(builder.gep(wp, [builder.add(base, ir.Constant(n.type, off))]),
+                                                   _I8X64.as_pointer()), align=1) for off in (0, 64)]
             if nibbles:
+                low, four = ir.Constant(_I8X64, [15] * 64), ir.Constant(_I8X64, [4] * 64)
+                halves = [(builder.and_(h, low), builder.lshr(h, four)) for h in halves]
                 col = builder.shl(i, ir.Constant(n.type, 3))
-                xa, xb = x_broadcast(col), x_broadcast(builder.add(col, ir.Constant(n.type, 4)))
-                low = ir.Constant(_I8X64, [15] * 64)
-                four = ir.Constant(_I8X64, [4] * 64)
-                new0 = builder.call(dpbusd, [acc0, builder.and_(w0, low), xa])
-                new0 = builder.call(dpbusd, [new0, builder.lshr(w0, four), xb])
-                new1 = builder.call(dpbusd, [acc1, builder.and_(w1, low), xa])
-                new1 = builder.call(dpbusd, [new1, builder.lshr(w1, four), xb])
             else:
-                xv = x_broadcast(builder.shl(i, ir.Constant(n.type, 2)))
-                new0 = builder.call(dpbusd, [acc0, w0, xv])
-                new1 = builder.call(dpbusd, [acc1, w1, xv])
+                col = builder.shl(i, ir.Constant(n.type, 2))
+            news = []
+            for tok in range(n_tok):
+                if nibbles:
+                    xa = x_broadcast(xps[tok], col)
+                    xb = x_broadcast(xps[tok], builder.add(col, ir.Constant(n.type, 4)))
+                    for half in range(2):
+                        lo, hi = halves[half]
+                        new = builder.call(dpbusd, [accs[2 * tok + half], lo, xa])
+                        news.append(builder.call(dpbusd, [new, hi, xb]))
+                else:
+                    xv = x_broadcast(xps[tok], col)
+                    for half in range(2):
+                        news.append(builder.call(dpbusd, [accs[2 * tok + half], halves[half], xv]))
             nxt = builder.add(i, ir.Constant(n.type, 1))
             i.add_incoming(nxt, loop)
-            acc0.add_incoming(new0, loop)
-            acc1.add_incoming(new1, loop)
+            for acc, new in zip(accs, news):
+                acc.add_incoming(new, loop)
             builder.cbranch(builder.icmp_signed("<", nxt, n_steps), loop, done)
 
             builder.position_at_end(done)
-            res0, res1 = builder.phi(_I32X16), builder.phi(_I32X16)
-            for res, new in ((res0, new0), (res1, new1)):
+            results = [builder.phi(_I32X16) for _ in news]  # phi nodes first in the block
+            for k, (res, new) in enumerate(zip(results, news)):
                 res.add_incoming(zero, entry)
                 res.add_incoming(new, loop)
-            builder.store(res0, builder.bitcast(op, _I32X16.as_pointer()), align=4)
-            builder.store(res1, builder.bitcast(builder.gep(op, [ir.Constant(ir.IntType(64), 16)]),
-                                                _I32X16.as_pointer()), align=4)
+            for k, res in enumerate(results):
+                ptr = builder.gep(op, [ir.Constant(ir.IntType(64), 16 * k)])
+                builder.store(res, builder.bitcast(ptr, _I32X16.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -106,18 +115,28 @@ def _make_vnni_intrinsic(nibbles: bool):
     return tile_dot
 
 
-_tile_dot_vnni = _make_vnni_intrinsic(False)
-_tile_dot_vnni_nib = _make_vnni_intrinsic(True)
+_vnni = {(nib, n): _make_vnni_intrinsic(nib, n) for nib in (False, True) for n in (1, 4)}
+_vnni_b1, _vnni_b4, _vnni_n1, _vnni_n4 = _vnni[False, 1], _vnni[False, 4], _vnni[True, 1], _vnni[True, 4]
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
 def _tile_dot_vnni_call(w, w_off, x, x_off, n_k4, out):
-    _tile_dot_vnni(w, w_off, x, x_off, n_k4, out)
+    _vnni_b1(w, w_off, x, x_off, 0, n_k4, out)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
 def _tile_dot_vnni_nib_call(w, w_off, x, x_off, n_k4, out):
-    _tile_dot_vnni_nib(w, w_off, x, x_off, n_k4, out)
+    _vnni_n1(w, w_off, x, x_off, 0, n_k4, out)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _tile_dot4_vnni_call(w, w_off, x, x_off, x_stride, n_k4, out):
+    _vnni_b4(w, w_off, x, x_off, x_stride, n_k4, out)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _tile_dot4_vnni_nib_call(w, w_off, x, x_off, x_stride, n_k4, out):
+    _vnni_n4(w, w_off, x, x_off, x_stride, n_k4, out)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -151,5 +170,19 @@ def tile_dot_nib_portable(w, w_off, x, x_off, n_k4, out):
             out[r] = np.int32(out[r] + total)
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def tile_dot4_portable(w, w_off, x, x_off, x_stride, n_k4, out):
+    for tok in range(4):
+        tile_dot_portable(w, w_off, x, x_off + tok * x_stride, n_k4, out[tok * R:])
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def tile_dot4_nib_portable(w, w_off, x, x_off, x_stride, n_k4, out):
+    for tok in range(4):
+        tile_dot_nib_portable(w, w_off, x, x_off + tok * x_stride, n_k4, out[tok * R:])
+
+
 tile_dot = _tile_dot_vnni_call if HAS_VNNI else tile_dot_portable
 tile_dot_nib = _tile_dot_vnni_nib_call if HAS_VNNI else tile_dot_nib_portable
+tile_dot4 = _tile_dot4_vnni_call if HAS_VNNI else tile_dot4_portable          # 4 tokens at once
+tile_dot4_nib = _tile_dot4_vnni_nib_call if HAS_VNNI else tile_dot4_nib_portable

@@ -190,6 +190,20 @@ class Transformer:
     def finish_logits(self, logits: np.ndarray) -> np.ndarray:
         return logits
 
+    layer_function = None  # the architecture's compiled layer (a Numba dispatcher)
+
+    def kernels_cached(self) -> bool:
+        """Whether Numba's on-disk cache already holds this architecture's layer function."""
+        import glob
+        import inspect
+        import os
+
+        fn = self.layer_function
+        source = inspect.getsourcefile(fn.py_func)
+        module = os.path.splitext(os.path.basename(source))[0]
+        pattern = os.path.join(os.path.dirname(source), "__pycache__", f"{module}.{fn.py_func.__name__}-*.nbi")
+        return bool(glob.glob(pattern))
+
     def layer_step(self, il, layer, x, positions, tables, kv):
         """One layer: x (T, E) -> (T, E). kv = (k, v, kv_pos, slots, n_used, n_keep, ring_start)."""
         raise NotImplementedError

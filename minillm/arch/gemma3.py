@@ -22,7 +22,7 @@ def gemma3_layer(x, w, positions, cos, sin, kv, window, eps, n_head, n_head_kv, 
     kc, vc, kv_pos, slots, n_used, n_keep, ring_start = kv
     T = x.shape[0]
     h = layers.norm(x, attn_norm, eps)
-    q, k, v = layers.linear(wq, h), layers.linear(wk, h), layers.linear(wv, h)
+    q, k, v = layers.linear3(wq, wk, wv, h)
     q = layers.norm(q.reshape(T * n_head, head_dim), q_norm, eps).reshape(T, n_head * head_dim)
     k = layers.norm(k.reshape(T * n_head_kv, head_dim), k_norm, eps).reshape(T, n_head_kv * head_dim)
     ops.rope(q, n_head, head_dim, rope_dims, cos, sin, True)
@@ -32,7 +32,7 @@ def gemma3_layer(x, w, positions, cos, sin, kv, window, eps, n_head, n_head_kv, 
                          np.float32(1.0), n_head, n_head_kv, head_dim)
     x = x + layers.norm(layers.linear(wo, attn), post_attn_norm, eps)
     h = layers.norm(x, ffn_norm, eps)
-    gate, up = layers.linear(wg, h), layers.linear(wu, h)
+    gate, up = layers.linear2(wg, wu, h)
     act = np.empty_like(gate)
     ops.geglu(gate, up, act)
     return x + layers.norm(layers.linear(wd, act), post_ffw_norm, eps)
@@ -41,6 +41,7 @@ def gemma3_layer(x, w, positions, cos, sin, kv, window, eps, n_head, n_head_kv, 
 class Gemma3(Transformer):
     name = "gemma3"
     rope_neox = True
+    layer_function = gemma3_layer
     layer_order = Transformer.layer_order + ("attn_q_norm", "attn_k_norm", "post_attention_norm",
                                              "post_ffw_norm")
 

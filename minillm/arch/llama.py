@@ -16,14 +16,14 @@ def llama_layer(x, w, positions, cos, sin, kv, eps, n_head, n_head_kv, head_dim,
     attn_norm, wq, wk, wv, wo, ffn_norm, wg, wu, wd = w
     kc, vc, kv_pos, slots, n_used, n_keep, ring_start = kv
     h = layers.norm(x, attn_norm, eps)
-    q, k, v = layers.linear(wq, h), layers.linear(wk, h), layers.linear(wv, h)
+    q, k, v = layers.linear3(wq, wk, wv, h)
     ops.rope(q, n_head, head_dim, rope_dims, cos, sin, False)
     ops.rope(k, n_head_kv, head_dim, rope_dims, cos, sin, False)
     attn = layers.attend(q, k, v, positions, kc, vc, kv_pos, slots, n_used, n_keep, ring_start, 0,
                          attn_scale, n_head, n_head_kv, head_dim)
     x = x + layers.linear(wo, attn)
     h = layers.norm(x, ffn_norm, eps)
-    gate, up = layers.linear(wg, h), layers.linear(wu, h)
+    gate, up = layers.linear2(wg, wu, h)
     act = np.empty_like(gate)
     ops.swiglu(gate, up, act)
     return x + layers.linear(wd, act)
@@ -32,6 +32,7 @@ def llama_layer(x, w, positions, cos, sin, kv, eps, n_head, n_head_kv, head_dim,
 class Llama(Transformer):
     name = "llama"
     rope_neox = False  # the converter permutes Q/K so that rotation is on adjacent pairs
+    layer_function = llama_layer
 
     def rope_tables(self, positions):
         return self.rope_table(positions, self.hp.rope_base)
