@@ -25,8 +25,7 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
 bench: install models
-	$(VENV)/bin/minillm bench $(DEFAULT_MODEL) -p 512 -n 128
-	$(VENV)/bin/minillm bench models/gemma-3-270m-q4_k_m.gguf -p 512 -n 128
+	$(PY) -m minillm.benchmarks $(MODELS) --out bench-results.json
 
 run: install models
 	$(VENV)/bin/minillm generate $(DEFAULT_MODEL) --chat --temp 0 -n 64 -p "Write one sentence about the sea."

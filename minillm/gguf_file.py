@@ -154,6 +154,19 @@ class GGUFFile:
             raise GGUFError(f"{p}: cannot read ({exc.strerror or exc})") from None
         self.buffer = np.frombuffer(self._mmap, dtype=np.uint8)
 
+    def release_pages(self, name: str | None = None) -> None:
+        """Drop the mapped pages of a tensor (or of the whole file) from memory; they are read
+        back from the file if touched again. Called once weights are repacked, so that they
+        are not held twice."""
+        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        if name is None:
+            self._mmap.madvise(mmap.MADV_DONTNEED)
+            return
+        t = self.tensors[name]
+        start = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        self._mmap.madvise(mmap.MADV_DONTNEED, start, t.offset + t.n_bytes - start)
+
     def close(self) -> None:
         self.buffer = None
         if self._mmap is not None:

@@ -32,6 +32,7 @@ class Model:
         self.arch = get_architecture(self.gguf.architecture)(self.gguf)
         self.hp = self.arch.hp
         self.arch.load_weights(progress)
+        self.gguf.release_pages()
         self._tokenizer = None
         self.load_seconds = time.perf_counter() - t0
 

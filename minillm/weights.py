@@ -24,7 +24,10 @@ class Matrix:
         self.name, self.format = name, fmt
         self.n_rows, self.n_cols = n_rows, n_cols
         if fmt.quantized:
-            tiles = mm.repack(*unpack(fmt, raw, n_cols), nibble_offset=fmt.nibble_offset)
+            tiles = mm.empty_tiles(n_rows, n_cols, n_cols // fmt.group, n_cols // fmt.group if fmt.has_bias else 0,
+                                   fmt.nibble_offset)
+            for row0 in range(0, n_rows, mm.CHUNK_ROWS):  # a chunk at a time: no full transient copy
+                mm.fill_tiles(tiles, row0, *unpack(fmt, raw[row0:row0 + mm.CHUNK_ROWS], n_cols))
             self.packed = (*tiles, _NO_FLOATS, n_rows, fmt.group, mm.KIND_IDS[fmt.activation], 0)
         else:
             weight = np.ascontiguousarray(dequantize(fmt, raw, n_cols))

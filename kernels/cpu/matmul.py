@@ -142,12 +142,13 @@ def _accumulate_group(facc, iacc, sc, bias, nt, g, shift, sd, ss):
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def _tile_rows(q, scale, bias, offset, nibbles, data, scale_t, bias_t):
+def _tile_rows(q, scale, bias, offset, nibbles, nt0, data, scale_t, bias_t):
+    """Write rows q (n, K) (and their scales) into tiles nt0.. of data/scale_t/bias_t."""
     N, K = q.shape
-    NT = scale_t.shape[0]
-    for nt in nb.prange(NT):
+    for t in nb.prange((N + R - 1) // R):
+        nt = nt0 + t
         for r in range(R):
-            n = nt * R + r
+            n = t * R + r
             if n >= N:
                 continue  # padding rows: code 0, scale 0
             for k in range(K):
@@ -163,15 +164,27 @@ def _tile_rows(q, scale, bias, offset, nibbles, data, scale_t, bias_t):
                 bias_t[nt, g, r] = bias[n, g]
 
 
+CHUNK_ROWS = 64 * R  # rows unpacked at a time: the transient copy stays small
+
+
 def repack(q: np.ndarray, scale: np.ndarray, bias: np.ndarray, nibble_offset: int | None = None):
     """Uniform layout (N, K) -> tiles of R rows (rows padded to a multiple of R). Returns
     (data, scale, bias, offset, nibbles): codes q + offset, 4-bit when nibble_offset is given."""
-    N, K = q.shape
+    tiles = empty_tiles(q.shape[0], q.shape[1], scale.shape[1], bias.shape[1], nibble_offset)
+    fill_tiles(tiles, 0, q, scale, bias)
+    return tiles
+
+
+def empty_tiles(N: int, K: int, n_groups: int, n_bias_groups: int, nibble_offset: int | None):
     NT = (N + R - 1) // R
     nibbles = nibble_offset is not None
-    offset = nibble_offset if nibbles else 128
     data = np.zeros(NT * K * R // (2 if nibbles else 1), np.uint8)
-    scale_t = np.zeros((NT, scale.shape[1], R), np.float32)
-    bias_t = np.zeros((NT, bias.shape[1], R), np.float32)
-    _tile_rows(q, scale, bias, offset, nibbles, data, scale_t, bias_t)
-    return data, scale_t, bias_t, offset, nibbles
+    scale_t = np.zeros((NT, n_groups, R), np.float32)
+    bias_t = np.zeros((NT, n_bias_groups, R), np.float32)
+    return data, scale_t, bias_t, nibble_offset if nibbles else 128, nibbles
+
+
+def fill_tiles(tiles, row0: int, q: np.ndarray, scale: np.ndarray, bias: np.ndarray) -> None:
+    """Write rows row0.. (row0 a multiple of R) into tiles made by empty_tiles."""
+    data, scale_t, bias_t, offset, nibbles = tiles
+    _tile_rows(q, scale, bias, offset, nibbles, row0 // R, data, scale_t, bias_t)

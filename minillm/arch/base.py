@@ -140,7 +140,9 @@ class Transformer:
 
     def matrix(self, name: str) -> Matrix:
         info = self.gguf.tensors[name]
-        return Matrix(name, info.format, self.gguf.raw(name), info.shape[1], info.shape[0])
+        matrix = Matrix(name, info.format, self.gguf.raw(name), info.shape[1], info.shape[0])
+        self.gguf.release_pages(name)
+        return matrix
 
     def load_weights(self, progress=None) -> None:
         hp = self.hp

@@ -1,0 +1,68 @@
+"""`make bench`: for each real model, prefill and decode speed (minillm bench -p 512 -n 128),
+cold start (a new `minillm generate MODEL -p Hello -n 1` process, compile cache warm) and peak
+resident memory; prints one table and writes the figures as JSON.
+
+    python -m minillm.benchmarks MODEL [MODEL ...] [--out bench-results.json]
+
+Run it on an idle machine: any other multi-threaded job ruins the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _run(args: list[str]) -> tuple[float, float, str]:
+    """(wall seconds, peak RSS MiB, stdout) of one child process."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "minillm", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise SystemExit(f"minillm {' '.join(args)} failed with status {proc.returncode}")
+    return wall, usage.ru_maxrss / 1024, out
+
+
+def bench_model(path: str) -> dict:
+    _run(["generate", path, "-p", "Hello", "-n", "1", "--temp", "0"])  # warm the compile cache
+    cold = min(_run(["generate", path, "-p", "Hello", "-n", "1", "--temp", "0"])[0] for _ in range(3))
+    _, peak_rss, out = _run(["bench", path, "-p", "512", "-n", "128", "-r", "2", "--json"])
+    speed = json.loads(out)
+    return {
+        "model": Path(path).name,
+        "file_mib": round(Path(path).stat().st_size / 2**20, 1),
+        "pp512_tokens_per_s": speed["pp_tokens_per_s"],
+        "tg128_tokens_per_s": speed["tg_tokens_per_s"],
+        "load_s": speed["load_s"],
+        "cold_start_s": round(cold, 3),
+        "peak_rss_mib": round(peak_rss, 1),
+        "threads": speed["threads"],
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="+")
+    parser.add_argument("--out", default="bench-results.json")
+    args = parser.parse_args(argv)
+    rows = [bench_model(m) for m in args.models]
+    header = ("model", "pp512 tok/s", "tg128 tok/s", "cold start s", "peak RSS MiB", "file MiB")
+    keys = ("model", "pp512_tokens_per_s", "tg128_tokens_per_s", "cold_start_s", "peak_rss_mib", "file_mib")
+    widths = [max(len(h), *(len(str(r[k])) for r in rows)) for h, k in zip(header, keys)]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    for r in rows:
+        print("  ".join(str(r[k]).ljust(w) for k, w in zip(keys, widths)))
+    Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"(written to {args.out})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
