@@ -38,6 +38,18 @@ def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
     return sys.stdin.read()
 
 
+def _print_beam_search(model, ids, n_predict, beams, ctx, ignore_eos, as_json) -> None:
+    from .generate import beam_search
+
+    tokens, logp = beam_search(model, ids, n_predict, beams, n_ctx=ctx, ignore_eos=ignore_eos)
+    text = model.detokenize(tokens)
+    if as_json:
+        print(json.dumps({"text": text, "tokens": tokens, "logprob": logp, "beams": beams,
+                          "prompt_tokens": len(ids), "generated_tokens": len(tokens)}, ensure_ascii=False))
+    elif text:
+        print(text)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def generate(
@@ -62,6 +74,7 @@ def register(app: typer.Typer) -> None:
         chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="Jinja chat template file to use instead of the model's."),
         truncate: bool = typer.Option(False, "--truncate", help="Keep the end of a prompt longer than the context."),
         ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at end-of-generation tokens."),
+        beams: int = typer.Option(1, "--beams", min=1, max=64, help="Beam search with N beams (not streamed)."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Timings and notices on stderr."),
     ):
@@ -84,6 +97,9 @@ def register(app: typer.Typer) -> None:
             ids = m.prompt_ids(messages, template_path=chat_template)
         else:
             ids = m.prompt_ids(text)
+        if beams > 1:
+            _print_beam_search(m, ids, n_predict, beams, ctx, ignore_eos, as_json)
+            return
         session = Session(m, n_ctx=ctx)
         pieces, tokens, last, wrote = [], [], None, False
         for last in session.generate(ids, n_predict, params, stop=stop, truncate=truncate,

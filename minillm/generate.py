@@ -2,6 +2,7 @@
 small results (text piece, token, finish reason, timings) as they come."""
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -149,3 +150,57 @@ class Session:
         text, _ = stops.push(decoder.flush())
         timings.generate_s = time.perf_counter() - t1
         yield Chunk(text + stops.flush(), None, finish, timings)
+
+
+def beam_search(model, prompt_ids: list[int], max_tokens: int, n_beams: int, n_ctx: int | None = None,
+                ignore_eos: bool = False) -> tuple[list[int], float]:
+    """The most likely continuation (sum of token log-probabilities) among n_beams beams; each
+    beam has its own KV cache. Returns (tokens, log-probability). Not streamed."""
+    session = Session(model, n_ctx=n_ctx)
+    prompt_ids = session.check_prompt(list(prompt_ids), truncate=False)
+    eog = set() if ignore_eos else session.tokenizer.eog_ids
+    beams = [([], 0.0, session.cache, session._prefill(prompt_ids))]  # (tokens, logp, cache, logits)
+    finished: list[tuple[list[int], float]] = []
+    for _ in range(max_tokens):
+        chosen = _best_extensions(beams, n_beams, eog, finished)
+        if not chosen:
+            break
+        children = {}
+        for _, _, parent in chosen:
+            children[parent] = children.get(parent, 0) + 1
+        extended = []
+        for tokens, score, parent in chosen:
+            children[parent] -= 1
+            cache = beams[parent][2]
+            if children[parent]:  # a parent's cache goes to its last child; the others copy it
+                cache = copy.deepcopy(cache)
+            extended.append((tokens, score, cache, model.eval([tokens[-1]], cache, batch_size=1)[-1]))
+        beams = extended
+    finished.extend((tokens, score) for tokens, score, _, _ in beams)
+    return max(finished, key=lambda f: f[1])
+
+
+def _best_extensions(beams, n_beams: int, eog: set[int], finished: list) -> list[tuple[list[int], float, int]]:
+    """The n_beams best one-token extensions (tokens, logp, parent index); ends at an
+    end-of-generation token move to finished."""
+    candidates = []
+    for parent, (tokens, score, _, logits) in enumerate(beams):
+        logp = _log_softmax(logits)
+        for tok in np.argpartition(-logp, n_beams)[:n_beams]:
+            candidates.append((score + float(logp[tok]), parent, int(tok)))
+    candidates.sort(key=lambda c: -c[0])
+    chosen = []
+    for score, parent, tok in candidates:
+        if len(chosen) + len(finished) >= n_beams:
+            break
+        if tok in eog:
+            finished.append((beams[parent][0], score))
+        else:
+            chosen.append((beams[parent][0] + [tok], score, parent))
+    return chosen
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max()
+    return x - np.log(np.exp(x).sum())

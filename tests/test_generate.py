@@ -213,3 +213,24 @@ def test_generate_cli_closed_pipe_is_quiet():
     out = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd}"], capture_output=True, text=True, timeout=300)
     assert "Traceback" not in out.stderr and "Error" not in out.stderr
     assert len(out.stdout) == 5
+
+
+@pytest.mark.slow
+def test_beam_search_finds_a_sequence_at_least_as_likely_as_greedy():
+    from minillm.generate import _log_softmax, beam_search
+
+    m = loaded_model("smollm2")
+    ids = m.prompt_ids("The capital of France is")
+    greedy = m.generate("The capital of France is", max_tokens=8, temperature=0).tokens
+
+    def logprob(tokens):
+        logits = m.logits(ids + tokens, start=len(ids) - 1)
+        return sum(float(_log_softmax(logits[i])[t]) for i, t in enumerate(tokens))
+
+    tokens, score = beam_search(m, ids, 8, 4)
+    assert len(tokens) == 8
+    assert abs(score - logprob(tokens)) < 0.05
+    assert score >= logprob(greedy) - 0.05
+    out = cli("generate", str(model_path("smollm2")), "-p", "The capital of France is", "-n", "8",
+              "--beams", "4", "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)["tokens"] == tokens
