@@ -7,27 +7,30 @@ from typing import Optional
 
 import typer
 
-from .cli_generate import sampling_options
+from .cli_generate import (
+    CHAT_TEMPLATE, CTX, FREQUENCY_PENALTY, MIN_P, MODEL, PRESENCE_PENALTY, REPEAT_LAST_N, REPEAT_PENALTY, SEED,
+    SYSTEM, TEMP, THREADS, TOP_K, TOP_P, sampling_options,
+)
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def chat(
-        model: Path = typer.Argument(..., help="Path to a .gguf model file.", show_default=False),
+        model: Path = MODEL,
         n_predict: int = typer.Option(512, "-n", "--n-predict", min=1, max=1 << 24, help="Tokens per reply at most."),
-        temp: float = typer.Option(0.8, "--temp", min=0.0, max=100.0, help="Temperature; 0 is greedy."),
-        top_k: int = typer.Option(40, "--top-k", min=0, help="Top-k (0: off)."),
-        top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="Top-p (1: off)."),
-        min_p: float = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="Min-p (0: off)."),
-        repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", min=0.0, help="Repetition penalty."),
-        repeat_last_n: int = typer.Option(64, "--repeat-last-n", min=-1, help="Tokens the penalties look back."),
-        presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="Presence penalty."),
-        frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="Frequency penalty."),
-        seed: Optional[int] = typer.Option(None, "--seed", min=0, max=2**63 - 1, help="Random seed."),
-        ctx: Optional[int] = typer.Option(None, "-c", "--ctx", min=16, max=1 << 20, help="Context size."),
-        threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=1024, help="Threads."),
-        system: Optional[str] = typer.Option(None, "--system", help="System message."),
-        chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="Jinja chat template file."),
+        temp: float = TEMP,
+        top_k: int = TOP_K,
+        top_p: float = TOP_P,
+        min_p: float = MIN_P,
+        repeat_penalty: float = REPEAT_PENALTY,
+        repeat_last_n: int = REPEAT_LAST_N,
+        presence_penalty: float = PRESENCE_PENALTY,
+        frequency_penalty: float = FREQUENCY_PENALTY,
+        seed: Optional[int] = SEED,
+        ctx: Optional[int] = CTX,
+        threads: Optional[int] = THREADS,
+        system: Optional[str] = SYSTEM,
+        chat_template: Optional[Path] = CHAT_TEMPLATE,
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Show tokens/s after each reply."),
     ):
         """Chat with a model in the terminal."""

@@ -14,6 +14,23 @@ def _err(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+# options shared by `generate` and `chat` (typer Option objects can serve several commands)
+MODEL = typer.Argument(..., help="Path to a .gguf model file.", show_default=False)
+TEMP = typer.Option(0.8, "--temp", min=0.0, max=100.0, help="Temperature; 0 is greedy.")
+TOP_K = typer.Option(40, "--top-k", min=0, help="Top-k (0: off).")
+TOP_P = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="Top-p (1: off).")
+MIN_P = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="Min-p (0: off).")
+REPEAT_PENALTY = typer.Option(1.0, "--repeat-penalty", min=0.0, help="Repetition penalty (1: off).")
+REPEAT_LAST_N = typer.Option(64, "--repeat-last-n", min=-1, help="Tokens the penalties look back (-1: all).")
+PRESENCE_PENALTY = typer.Option(0.0, "--presence-penalty", help="Presence penalty.")
+FREQUENCY_PENALTY = typer.Option(0.0, "--frequency-penalty", help="Frequency penalty.")
+SEED = typer.Option(None, "--seed", min=0, max=2**63 - 1, help="Random seed (default: random).")
+CTX = typer.Option(None, "-c", "--ctx", min=16, max=1 << 20, help="Context size (default: min(4096, the model's)).")
+THREADS = typer.Option(None, "-t", "--threads", min=1, max=1024, help="Threads (default: all cores).")
+SYSTEM = typer.Option(None, "--system", help="System message.")
+CHAT_TEMPLATE = typer.Option(None, "--chat-template", help="Jinja chat template file to use instead of the model's.")
+
+
 def sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty,
                      frequency_penalty, seed) -> dict:
     return dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
@@ -53,25 +70,25 @@ def _print_beam_search(model, ids, n_predict, beams, ctx, ignore_eos, as_json) -
 def register(app: typer.Typer) -> None:
     @app.command()
     def generate(
-        model: Path = typer.Argument(..., help="Path to a .gguf model file.", show_default=False),
+        model: Path = MODEL,
         prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
         file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file."),
         n_predict: int = typer.Option(256, "-n", "--n-predict", min=0, max=1 << 24, help="Tokens to generate at most."),
-        temp: float = typer.Option(0.8, "--temp", min=0.0, max=100.0, help="Temperature; 0 is greedy."),
-        top_k: int = typer.Option(40, "--top-k", min=0, help="Top-k (0: off)."),
-        top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="Top-p (1: off)."),
-        min_p: float = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="Min-p (0: off)."),
-        repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", min=0.0, help="Repetition penalty (1: off)."),
-        repeat_last_n: int = typer.Option(64, "--repeat-last-n", min=-1, help="Tokens the penalties look back (-1: all)."),
-        presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="Presence penalty."),
-        frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="Frequency penalty."),
-        seed: Optional[int] = typer.Option(None, "--seed", min=0, max=2**63 - 1, help="Random seed (default: random)."),
+        temp: float = TEMP,
+        top_k: int = TOP_K,
+        top_p: float = TOP_P,
+        min_p: float = MIN_P,
+        repeat_penalty: float = REPEAT_PENALTY,
+        repeat_last_n: int = REPEAT_LAST_N,
+        presence_penalty: float = PRESENCE_PENALTY,
+        frequency_penalty: float = FREQUENCY_PENALTY,
+        seed: Optional[int] = SEED,
         stop: List[str] = typer.Option([], "--stop", help="Stop at this text (repeatable)."),
-        ctx: Optional[int] = typer.Option(None, "-c", "--ctx", min=16, max=1 << 20, help="Context size (default: min(4096, the model's))."),
-        threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=1024, help="Threads (default: all cores)."),
+        ctx: Optional[int] = CTX,
+        threads: Optional[int] = THREADS,
         chat: bool = typer.Option(False, "--chat", help="Send the prompt as one user message through the chat template."),
-        system: Optional[str] = typer.Option(None, "--system", help="System message (implies --chat)."),
-        chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="Jinja chat template file to use instead of the model's."),
+        system: Optional[str] = SYSTEM,
+        chat_template: Optional[Path] = CHAT_TEMPLATE,
         truncate: bool = typer.Option(False, "--truncate", help="Keep the end of a prompt longer than the context."),
         ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at end-of-generation tokens."),
         beams: int = typer.Option(1, "--beams", min=1, max=64, help="Beam search with N beams (not streamed)."),

@@ -24,6 +24,14 @@ def model_path(name: str) -> Path:
     return path
 
 
+def golden_rows(model: str) -> list[dict]:
+    """llama.cpp's greedy runs for a model (tests/data/greedy_<model>_dev.jsonl)."""
+    import json
+
+    with open(DATA / f"greedy_{model}_dev.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
 _loaded = {}
 
 

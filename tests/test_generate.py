@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import minillm
-from conftest import DATA, REPORT, loaded_model, model_path
+from conftest import REPORT, golden_rows, loaded_model, model_path
 from minillm.generate import Session, StopMatcher
 from minillm.kv_cache import CacheGroup
 from minillm.sampling import Sampler, SamplingParams
@@ -86,17 +86,13 @@ def test_decoding_past_the_context_keeps_memory_flat(tmp_path):
 
 # ---- the real models ------------------------------------------------------------------------
 
-def golden(model):
-    with open(DATA / f"greedy_{model}_dev.jsonl") as f:
-        return [json.loads(line) for line in f]
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_greedy_generation_against_llama_cpp(model):
     m = loaded_model(model)
     identical, first_gaps = 0, []
-    rows = [r for r in golden(model) if len(r["prompt_ids"]) < 300]
+    rows = [r for r in golden_rows(model) if len(r["prompt_ids"]) < 300]
     for row in rows:
         session = Session(m, n_ctx=1024)
         tokens = [c.token for c in session.generate(row["prompt_ids"], len(row["steps"]),

@@ -1,10 +1,9 @@
 """The real models, teacher-forced against llama.cpp's greedy runs (tests/data/greedy_*)."""
-import json
 
 import numpy as np
 import pytest
 
-from conftest import DATA, REPORT, loaded_model
+from conftest import REPORT, golden_rows, loaded_model
 
 # llama.cpp's arithmetic is chaotic under its own int8 activation quantization: perturbing
 # our embeddings by one part in 10^7 moves the top-10 logits by 0.13 (smollm2) to 0.25
@@ -15,10 +14,6 @@ from conftest import DATA, REPORT, loaded_model
 MIN_AGREEMENT = {"smollm2": 0.94, "gemma3": 0.94}
 
 
-def golden(model: str):
-    with open(DATA / f"greedy_{model}_dev.jsonl") as f:
-        return [json.loads(line) for line in f]
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
@@ -27,7 +22,7 @@ def test_teacher_forced_greedy_agreement(model):
     agree = steps = 0
     diffs = []
     longest = 0
-    for row in golden(model):
+    for row in golden_rows(model):
         prompt = row["prompt_ids"]
         ids = prompt + [s["next"] for s in row["steps"]][:-1]
         longest = max(longest, len(ids))
