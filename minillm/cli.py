@@ -71,9 +71,9 @@ def bench(
 
 
 def _register_commands() -> None:
-    from . import cli_chat, cli_generate, cli_tokenize
+    from . import cli_chat, cli_generate, cli_quantize, cli_tokenize
 
-    for module in (cli_generate, cli_chat, cli_tokenize):
+    for module in (cli_generate, cli_chat, cli_quantize, cli_tokenize):
         module.register(app)
 
 

@@ -120,3 +120,46 @@ def attend(q, k, v, positions, kcache, vcache, kv_pos, slots, n_used, n_keep, ri
     ops.attention(q, positions, kcache, vcache, kv_pos, n_used, n_keep, ring_start, window,
                   scale, n_heads, out)
     return out
+
+
+# ---- the operations an architecture's layer is written in (kernels/cuda/layers.py has the
+# same names for the GPU; an architecture builds its layer from either module) --------------
+
+@nb.njit(**_SER)
+def head_norm(x, weight, eps, n_heads, head_dim):
+    """RMS norm of each head: x (T, n_heads*head_dim) -> new array."""
+    T = x.shape[0]
+    return norm(x.reshape(T * n_heads, head_dim), weight, eps).reshape(T, n_heads * head_dim)
+
+
+@nb.njit(**_SER)
+def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, n_heads, n_kv_heads,
+                head_dim, rope_dims, neox):
+    """RoPE on q and k (cos/sin rope_table), q *= q_scale, store k/v in the cache, attention."""
+    cos, sin = rope_table
+    kcache, vcache, kv_pos, slots, n_used, n_keep, ring_start = kv
+    ops.rope(q, n_heads, head_dim, rope_dims, cos, sin, neox)
+    ops.rope(k, n_kv_heads, head_dim, rope_dims, cos, sin, neox)
+    if q_scale != 1:
+        q *= q_scale
+    return attend(q, k, v, positions, kcache, vcache, kv_pos, slots, n_used, n_keep, ring_start, window,
+                  kq_scale, n_heads, n_kv_heads, head_dim)
+
+
+@nb.njit(**_SER)
+def add(x, y):
+    return x + y
+
+
+@nb.njit(**_SER)
+def swiglu(gate, up):
+    out = np.empty_like(gate)
+    ops.swiglu(gate, up, out)
+    return out
+
+
+@nb.njit(**_SER)
+def geglu(gate, up):
+    out = np.empty_like(gate)
+    ops.geglu(gate, up, out)
+    return out

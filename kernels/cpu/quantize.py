@@ -4,9 +4,9 @@ The block-level ports of ggml-quants.c live in quantize_scalar.py (32-value form
 helpers), quantize_fit.py (K-quant group fits) and quantize_k.py (K-quant super-blocks); this
 module runs them over whole tensors.
 
-Each kernel has the signature `kernel(src, table, out)`:
-    src   (rows, n) float32, or uint16 raw F16/BF16 bits that `table` maps to float32
-    table (65536,) float32 (unused for float32 sources)
+Each kernel has the signature `kernel(src, kind, out)`:
+    src   (rows, n) float32, or uint16 raw F16/BF16 bits
+    kind  what src holds: SRC_F32, SRC_F16 or SRC_BF16 (SOURCE_KINDS maps type names to it)
     out   (rows, row_bytes) uint8 (uint16 for F16/BF16 targets, float32 for F32)
 Rows are independent, so the row loop runs in parallel (prange). The K-quant kernels take a
 fourth argument, use_lanes (default True): False skips the vectorized group fits and runs the
@@ -23,78 +23,107 @@ from .quantize_k import (
 )
 from .quantize_fit import abs_weights, k4_weights, qkx2_lanes, qx_lanes, transpose_groups
 from .quantize_scalar import (
-    F16_TO_F32, _F, _JIT_INLINE, _PAR, _block_q4_0, _block_q4_1, _block_q5_0, _block_q5_1, _block_q8_0,
+    _F, _JIT_INLINE, _PAR, _block_q4_0, _block_q4_1, _block_q5_0, _block_q5_1, _block_q8_0,
     bf16_bits_from_u32, f16_bits_from_u32,
 )
-
-BF16_TO_F32 = (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
-
 
 # ---------------------------------------------------------------------------------------------
 # reading one row as float32
 # ---------------------------------------------------------------------------------------------
-def _row(src, table, r, buf):
+SRC_F32, SRC_F16, SRC_BF16 = 0, 1, 2
+SOURCE_KINDS = {"F32": SRC_F32, "F16": SRC_F16, "BF16": SRC_BF16}
+
+
+@nb.njit(**_JIT_INLINE)
+def _decode_f16(h, buf):
+    """F16 bits h (n,) -> float32 buf (n,), exactly (as GGML_FP16_TO_FP32). Normal numbers,
+    infinities and NaNs by bit arithmetic (a loop that vectorizes), then the rare subnormals
+    (and zeros) as exact products."""
+    bits = buf.view(np.uint32)
+    n_small = 0
+    for j in range(buf.size):
+        v = np.uint32(h[j])
+        sign = (v & np.uint32(0x8000)) << np.uint32(16)
+        em = v & np.uint32(0x7FFF)
+        body = ((em << np.uint32(13)) | np.uint32(0x7F800000) if em >= np.uint32(0x7C00)
+                else (em << np.uint32(13)) + np.uint32(0x38000000))
+        bits[j] = sign | body
+        n_small += np.int32(em < np.uint32(0x400))
+    if n_small:
+        for j in range(buf.size):
+            em = np.int32(h[j]) & 0x7FFF
+            if em < 0x400:
+                value = _F(em) * _F(2.0 ** -24)
+                buf[j] = -value if h[j] & 0x8000 else value
+
+
+def _row(src, kind, r, buf):
     """Row r of src as float32: a view for float32 sources, else decoded into buf."""
 
 
 @overload(_row, inline="always")
-def _row_impl(src, table, r, buf):
+def _row_impl(src, kind, r, buf):
     if src.dtype == types.float32:
-        return lambda src, table, r, buf: src[r]
+        return lambda src, kind, r, buf: src[r]
 
-    def decode(src, table, r, buf):
-        for j in range(buf.size):
-            buf[j] = table[src[r, j]]
+    def decode(src, kind, r, buf):
+        if kind == SRC_F16:
+            _decode_f16(src[r], buf)
+        else:                                   # BF16: the high half of a float32
+            bits = buf.view(np.uint32)
+            for j in range(buf.size):
+                bits[j] = np.uint32(src[r, j]) << np.uint32(16)
         return buf
     return decode
 
 
 # ---------------------------------------------------------------------------------------------
-# row drivers: kernel(src, table, out), parallel over rows
+# row drivers: kernel(src, kind, out), parallel over rows
 # ---------------------------------------------------------------------------------------------
 @nb.njit(**_PAR)
-def quantize_q4_0(src, table, out):
+def quantize_q4_0(src, kind, out):
     rows, n = src.shape
     for r in nb.prange(rows):
-        x = _row(src, table, r, np.empty(n, np.float32))
+        x = _row(src, kind, r, np.empty(n, np.float32))
         for b in range(n // 32):
             _block_q4_0(x, 32 * b, out[r], 18 * b)
 
 
 @nb.njit(**_PAR)
-def quantize_q4_1(src, table, out):
+def quantize_q4_1(src, kind, out):
     rows, n = src.shape
     for r in nb.prange(rows):
-        x = _row(src, table, r, np.empty(n, np.float32))
+        x = _row(src, kind, r, np.empty(n, np.float32))
         for b in range(n // 32):
             _block_q4_1(x, 32 * b, out[r], 20 * b)
 
 
 @nb.njit(**_PAR)
-def quantize_q5_0(src, table, out):
+def quantize_q5_0(src, kind, out):
     rows, n = src.shape
     for r in nb.prange(rows):
-        x = _row(src, table, r, np.empty(n, np.float32))
+        x = _row(src, kind, r, np.empty(n, np.float32))
         for b in range(n // 32):
             _block_q5_0(x, 32 * b, out[r], 22 * b)
 
 
 @nb.njit(**_PAR)
-def quantize_q5_1(src, table, out):
+def quantize_q5_1(src, kind, out):
     rows, n = src.shape
     for r in nb.prange(rows):
-        x = _row(src, table, r, np.empty(n, np.float32))
+        x = _row(src, kind, r, np.empty(n, np.float32))
         for b in range(n // 32):
             _block_q5_1(x, 32 * b, out[r], 24 * b)
 
 
 @nb.njit(**_PAR)
-def quantize_q8_0(src, table, out):
+def quantize_q8_0(src, kind, out):
     rows, n = src.shape
     for r in nb.prange(rows):
-        x = _row(src, table, r, np.empty(n, np.float32))
+        x = _row(src, kind, r, np.empty(n, np.float32))
+        xu, one = x.view(np.uint32), np.empty(1, np.uint32)
         for b in range(n // 32):
-            _block_q8_0(x, 32 * b, out[r], 34 * b)
+            _block_q8_0(x, xu, 32 * b, out[r], 34 * b, one)
 
 
 @nb.njit(**_JIT_INLINE)
@@ -147,10 +176,10 @@ def _gather_block(Lt, b, groups, L):
 
 
 @nb.njit(**_PAR)
-def quantize_q2_k(src, table, out, use_lanes=True):
+def quantize_q2_k(src, kind, out, use_lanes=True):
     rows, n = src.shape
     for r in nb.prange(rows):
-        x = _row(src, table, r, np.empty(n, np.float32))
+        x = _row(src, kind, r, np.empty(n, np.float32))
         L, Laux, weights, scales, mins = _k_scratch()
         ok, Lt, sc, mn = _fit_row_qkx2(x, 16, use_lanes, True, 3, _F(-0.5), _F(0.1), 15, True)
         for b in range(n // QK_K):
@@ -162,21 +191,21 @@ def quantize_q2_k(src, table, out, use_lanes=True):
 
 
 @nb.njit(**_PAR)
-def quantize_q3_k(src, table, out, use_lanes=True):
+def quantize_q3_k(src, kind, out, use_lanes=True):
     """(make_q3_quants' coordinate descent has no lane version: use_lanes is ignored)"""
     rows, n = src.shape
     for r in nb.prange(rows):
-        x = _row(src, table, r, np.empty(n, np.float32))
+        x = _row(src, kind, r, np.empty(n, np.float32))
         L, Laux, weights, scales, mins = _k_scratch()
         for b in range(n // QK_K):
             _block_q3_k(x, QK_K * b, out[r], 110 * b, L, Laux, weights, scales, mins)
 
 
 @nb.njit(**_PAR)
-def quantize_q4_k(src, table, out, use_lanes=True):
+def quantize_q4_k(src, kind, out, use_lanes=True):
     rows, n = src.shape
     for r in nb.prange(rows):
-        x = _row(src, table, r, np.empty(n, np.float32))
+        x = _row(src, kind, r, np.empty(n, np.float32))
         L, Laux, weights, scales, mins = _k_scratch()
         ok, Lt, sc, mn = _fit_row_qkx2(x, 32, use_lanes, False, 15, _F(-1.0), _F(0.1), 20, False)
         for b in range(n // QK_K):
@@ -188,10 +217,10 @@ def quantize_q4_k(src, table, out, use_lanes=True):
 
 
 @nb.njit(**_PAR)
-def quantize_q5_k(src, table, out, use_lanes=True):
+def quantize_q5_k(src, kind, out, use_lanes=True):
     rows, n = src.shape
     for r in nb.prange(rows):
-        x = _row(src, table, r, np.empty(n, np.float32))
+        x = _row(src, kind, r, np.empty(n, np.float32))
         L, Laux, weights, scales, mins = _k_scratch()
         ok, Lt, sc, mn = _fit_row_qkx2(x, 32, use_lanes, False, 31, _F(-0.5), _F(0.1), 15, False)
         for b in range(n // QK_K):
@@ -203,10 +232,10 @@ def quantize_q5_k(src, table, out, use_lanes=True):
 
 
 @nb.njit(**_PAR)
-def quantize_q6_k(src, table, out, use_lanes=True):
+def quantize_q6_k(src, kind, out, use_lanes=True):
     rows, n = src.shape
     for r in nb.prange(rows):
-        x = _row(src, table, r, np.empty(n, np.float32))
+        x = _row(src, kind, r, np.empty(n, np.float32))
         L, Laux, weights, scales, mins = _k_scratch()
         ok, Lt, sc = _fit_row_qx(x, 16, use_lanes, 32)
         for b in range(n // QK_K):
@@ -218,32 +247,32 @@ def quantize_q6_k(src, table, out, use_lanes=True):
 
 
 @nb.njit(**_PAR)
-def convert_f16(src, table, out):
+def convert_f16(src, kind, out):
     """out (rows, n) uint16: F16 bits, round to nearest even."""
     rows, n = src.shape
     for r in nb.prange(rows):
-        x = _row(src, table, r, np.empty(n, np.float32))
+        x = _row(src, kind, r, np.empty(n, np.float32))
         u = x.view(np.uint32)
         for j in range(n):
             out[r, j] = f16_bits_from_u32(u[j], x[j])
 
 
 @nb.njit(**_PAR)
-def convert_bf16(src, table, out):
+def convert_bf16(src, kind, out):
     """out (rows, n) uint16: BF16 bits, round to nearest even."""
     rows, n = src.shape
     for r in nb.prange(rows):
-        u = _row(src, table, r, np.empty(n, np.float32)).view(np.uint32)
+        u = _row(src, kind, r, np.empty(n, np.float32)).view(np.uint32)
         for j in range(n):
             out[r, j] = bf16_bits_from_u32(u[j])
 
 
 @nb.njit(**_PAR)
-def convert_f32(src, table, out):
+def convert_f32(src, kind, out):
     """out (rows, n) float32."""
     rows, n = src.shape
     for r in nb.prange(rows):
-        x = _row(src, table, r, np.empty(n, np.float32))
+        x = _row(src, kind, r, np.empty(n, np.float32))
         for j in range(n):
             out[r, j] = x[j]
 
@@ -259,16 +288,13 @@ KERNELS = {
     "F32": (convert_f32, np.float32),
 }
 
-# source type name -> table that maps its uint16 bits to float32
-SOURCE_TABLES = {"F16": F16_TO_F32, "BF16": BF16_TO_F32}
-_NO_TABLE = np.zeros(1, np.float32)
 
 
-def quantize_rows(fmt, src: np.ndarray, table: np.ndarray | None = None, out: np.ndarray | None = None):
+def quantize_rows(fmt, src: np.ndarray, kind: int = SRC_F32, out: np.ndarray | None = None):
     """Quantize src (rows, n) -> raw (rows, row_bytes) uint8 in format `fmt` (a minillm Format).
 
-    src is float32, or uint16 F16/BF16 bits with `table` from SOURCE_TABLES. `out`, if given,
-    is a C-contiguous (rows, row_bytes) uint8 array to write into (and is returned)."""
+    src is float32 (kind SRC_F32), or uint16 F16/BF16 bits (kind SRC_F16/SRC_BF16). `out`, if
+    given, is a C-contiguous (rows, row_bytes) uint8 array to write into (and is returned)."""
     kernel, dtype = KERNELS[fmt.name]
     rows, n = src.shape
     if n % fmt.block_size:
@@ -278,5 +304,7 @@ def quantize_rows(fmt, src: np.ndarray, table: np.ndarray | None = None, out: np
         out = np.empty((rows, row_bytes), dtype=np.uint8)
     elif out.shape != (rows, row_bytes) or out.dtype != np.uint8 or not out.flags.c_contiguous:
         raise ValueError(f"out must be a contiguous ({rows}, {row_bytes}) uint8 array")
-    kernel(np.ascontiguousarray(src), _NO_TABLE if table is None else table, out.view(dtype))
+    if (kind == SRC_F32) != (src.dtype == np.float32):
+        raise ValueError(f"source kind {kind} does not match a {src.dtype} array")
+    kernel(np.ascontiguousarray(src), kind, out.view(dtype))
     return out

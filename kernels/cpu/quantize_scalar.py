@@ -1,7 +1,7 @@
 """Scalar pieces of ggml's reference quantizers, ported bit for bit, and the 32-value formats.
 
 Ports of ggml-quants.c (quantize_row_{q4_0,q4_1,q5_0,q5_1,q8_0}_ref and the helpers the
-K-quants share). Bit identity rules, followed here and in quantize_k.py:
+K-quants share). Bit identity rules, followed here and in quantize_fit.py and quantize_k.py:
   * every float is float32 and every operation happens in C's order (no fastmath: no
     reassociation, no fused multiply-add); ints are converted with np.float32() before they
     meet a float, since Numba would otherwise widen the expression to float64;
@@ -42,11 +42,11 @@ def _trunc_int(v):
 
 @nb.njit(**_JIT_INLINE)
 def _roundf(v):
-    """C's roundf: nearest integer, halves away from zero (v is float32, result float32)."""
-    t = _F(math.trunc(v))
-    if abs(v - t) >= _F(0.5):
-        t = t + (_F(1.0) if v > 0 else _F(-1.0))
-    return t
+    """C's roundf: nearest integer, halves away from zero (v is float32, result float32).
+    Written with selects, not branches, so that loops over it vectorize."""
+    t = _F(np.trunc(v))
+    frac = v - t                                    # exact
+    return t + (_F(1.0) if frac >= _F(0.5) else _F(0.0)) - (_F(1.0) if frac <= _F(-0.5) else _F(0.0))
 
 
 @nb.njit(**_JIT)
@@ -156,12 +156,23 @@ def _min_max(x, i0, n):
 
 
 @nb.njit(**_JIT_INLINE)
-def _block_q8_0(x, i0, y, o):
-    """34 bytes: d f16, qs int8[32]."""
-    amax = _F(0.0)
+def _block_q8_0(x, xu, i0, y, o, one):
+    """34 bytes: d f16, qs int8[32]. xu is x's bits (a uint32 view), one a (1,) uint32 scratch.
+
+    The largest |x| is found as the largest magnitude bit pattern, which orders like the
+    floats and vectorizes (a float max reduction would not without fastmath); a NaN, where
+    ggml's MAX() chain behaves differently, takes the chain itself."""
+    amax_bits = np.uint32(0)
     for j in range(32):
-        a = abs(x[i0 + j])
-        amax = amax if amax > a else a
+        amax_bits = max(amax_bits, xu[i0 + j] & np.uint32(0x7FFFFFFF))
+    if amax_bits > np.uint32(0x7F800000):
+        amax = _F(0.0)
+        for j in range(32):
+            a = abs(x[i0 + j])
+            amax = amax if amax > a else a
+    else:
+        one[0] = amax_bits
+        amax = one.view(np.float32)[0]
     d = amax / _F(127.0)
     inv = _F(1.0) / d if d != 0 else _F(0.0)
     _put_f16(y, o, d)

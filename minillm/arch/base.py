@@ -180,7 +180,7 @@ class Transformer:
             kc, vc, group, slots = cache.layer(il)
             n_used, ring_start = group.scan_order(int(positions[-1]))
             kv = (kc, vc, group.kv_pos, slots, n_used, group.n_keep, ring_start)
-            x = self.layer_step(il, layer, x, positions, tables, kv)
+            x = self.layer_function(x, layer, positions, kv, *self.layer_args(il, tables))
         cache.commit(len(ids))
         x = x[logits_from:]
         if x.shape[0] == 0:
@@ -192,7 +192,7 @@ class Transformer:
     def finish_logits(self, logits: np.ndarray) -> np.ndarray:
         return logits
 
-    layer_function = None  # the architecture's compiled layer (a Numba dispatcher)
+    layer_function = None  # the architecture's compiled layer: make_layer(the CPU operations)
 
     def kernels_cached(self) -> bool:
         """Whether Numba's on-disk cache already holds this architecture's layer function."""
@@ -200,14 +200,14 @@ class Transformer:
         import inspect
         import os
 
-        fn = self.layer_function
-        source = inspect.getsourcefile(fn.py_func)
+        fn = self.layer_function.py_func
+        source = inspect.getsourcefile(fn)
         module = os.path.splitext(os.path.basename(source))[0]
-        pattern = os.path.join(os.path.dirname(source), "__pycache__", f"{module}.{fn.py_func.__name__}-*.nbi")
+        pattern = os.path.join(os.path.dirname(source), "__pycache__", f"{module}.*{fn.__name__}-*.nbi")
         return bool(glob.glob(pattern))
 
-    def layer_step(self, il, layer, x, positions, tables, kv):
-        """One layer: x (T, E) -> (T, E). kv = (k, v, kv_pos, slots, n_used, n_keep, ring_start)."""
+    def layer_args(self, il, tables) -> tuple:
+        """The layer function's arguments after (x, w, positions, kv): the rope table, ..."""
         raise NotImplementedError
 
     def rope_table(self, positions: np.ndarray, base: float, scale: float = 1.0):

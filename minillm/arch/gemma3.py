@@ -8,40 +8,45 @@ import numpy as np
 
 import numba as nb
 
-from ..kernels.cpu import layers, ops
+from ..kernels.cpu import layers as cpu_layers
 from .base import HParams, Transformer
 
 SWA_PATTERN = 6            # layers il with il % 6 == 5 are global, the others local
 LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for Gemma 3
 
 
-@nb.njit(cache=True, nogil=True)
-def gemma3_layer(x, w, positions, cos, sin, kv, window, eps, n_head, n_head_kv, head_dim, rope_dims, q_scale):
-    """x (T, E) -> (T, E); w: the layer's tensors in Gemma3.layer_order; window 0 = global."""
-    attn_norm, wq, wk, wv, wo, ffn_norm, wg, wu, wd, q_norm, k_norm, post_attn_norm, post_ffw_norm = w
-    kc, vc, kv_pos, slots, n_used, n_keep, ring_start = kv
-    T = x.shape[0]
-    h = layers.norm(x, attn_norm, eps)
-    q, k, v = layers.linear3(wq, wk, wv, h)
-    q = layers.norm(q.reshape(T * n_head, head_dim), q_norm, eps).reshape(T, n_head * head_dim)
-    k = layers.norm(k.reshape(T * n_head_kv, head_dim), k_norm, eps).reshape(T, n_head_kv * head_dim)
-    ops.rope(q, n_head, head_dim, rope_dims, cos, sin, True)
-    ops.rope(k, n_head_kv, head_dim, rope_dims, cos, sin, True)
-    q *= q_scale  # llama.cpp scales Q before attention (kq_scale 1)
-    attn = layers.attend(q, k, v, positions, kc, vc, kv_pos, slots, n_used, n_keep, ring_start, window,
-                         np.float32(1.0), n_head, n_head_kv, head_dim)
-    x = x + layers.norm(layers.linear(wo, attn), post_attn_norm, eps)
-    h = layers.norm(x, ffn_norm, eps)
-    gate, up = layers.linear2(wg, wu, h)
-    act = np.empty_like(gate)
-    ops.geglu(gate, up, act)
-    return x + layers.norm(layers.linear(wd, act), post_ffw_norm, eps)
+def make_layer(ops):
+    """The layer, written in the operations of a backend module (see llama.make_layer)."""
+    linear, linear2, linear3, norm, head_norm = ops.linear, ops.linear2, ops.linear3, ops.norm, ops.head_norm
+    rope_attend, add, geglu = ops.rope_attend, ops.add, ops.geglu
+
+    def gemma3_layer(x, w, positions, kv, rope_table, window, eps, n_head, n_head_kv, head_dim, rope_dims,
+                     q_scale):
+        """x (T, E) -> (T, E); w: the layer's tensors in Gemma3.layer_order; window 0 = global."""
+        attn_norm, wq, wk, wv, wo, ffn_norm, wg, wu, wd, q_norm, k_norm, post_attn_norm, post_ffw_norm = w
+        h = norm(x, attn_norm, eps)
+        q, k, v = linear3(wq, wk, wv, h)
+        q = head_norm(q, q_norm, eps, n_head, head_dim)
+        k = head_norm(k, k_norm, eps, n_head_kv, head_dim)
+        # llama.cpp scales Q after RoPE, before attention (kq_scale 1)
+        attn = rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, np.float32(1.0), n_head,
+                           n_head_kv, head_dim, rope_dims, True)
+        x = add(x, norm(linear(wo, attn), post_attn_norm, eps))
+        h = norm(x, ffn_norm, eps)
+        gate, up = linear2(wg, wu, h)
+        return add(x, norm(linear(wd, geglu(gate, up)), post_ffw_norm, eps))
+
+    return gemma3_layer
+
+
+gemma3_layer = nb.njit(cache=True, nogil=True)(make_layer(cpu_layers))
 
 
 class Gemma3(Transformer):
     name = "gemma3"
     rope_neox = True
-    layer_function = gemma3_layer
+    make_layer = staticmethod(make_layer)
+    layer_function = staticmethod(gemma3_layer)
     layer_order = Transformer.layer_order + ("attn_q_norm", "attn_k_norm", "post_attention_norm",
                                              "post_ffw_norm")
 
@@ -85,13 +90,11 @@ class Gemma3(Transformer):
         return {"local": self.rope_table(positions, LOCAL_ROPE_BASE),
                 "global": self.rope_table(positions, self.hp.rope_base, self.rope_scale)}
 
-    def layer_step(self, il, layer, x, positions, tables, kv):
+    def layer_args(self, il, tables):
         hp = self.hp
         local = self.is_local(il)
-        cos, sin = tables["local" if local else "global"]
-        return gemma3_layer(x, layer, positions, cos, sin, kv, self.window if local else 0,
-                            np.float32(hp.rms_eps), hp.n_head, hp.n_head_kv, hp.head_dim, hp.rope_dims,
-                            np.float32(self.attn_scale))
+        return (tables["local" if local else "global"], self.window if local else 0, np.float32(hp.rms_eps),
+                hp.n_head, hp.n_head_kv, hp.head_dim, hp.rope_dims, np.float32(self.attn_scale))
 
     def finish_logits(self, logits):
         if self.softcap > 0:
