@@ -192,7 +192,14 @@ class Transformer:
     def finish_logits(self, logits: np.ndarray) -> np.ndarray:
         return logits
 
-    layer_function = None  # the architecture's compiled layer: make_layer(the CPU operations)
+    layer_function = None  # the architecture's compiled layer, written over its module's `ops`
+
+    def layer_with_ops(self, ops_module):
+        """The same layer code running over another backend's operations (plain Python)."""
+        import types
+
+        fn = self.layer_function.py_func
+        return types.FunctionType(fn.__code__, dict(fn.__globals__, ops=ops_module), fn.__name__)
 
     def kernels_cached(self) -> bool:
         """Whether Numba's on-disk cache already holds this architecture's layer function."""
@@ -203,7 +210,7 @@ class Transformer:
         fn = self.layer_function.py_func
         source = inspect.getsourcefile(fn)
         module = os.path.splitext(os.path.basename(source))[0]
-        pattern = os.path.join(os.path.dirname(source), "__pycache__", f"{module}.*{fn.__name__}-*.nbi")
+        pattern = os.path.join(os.path.dirname(source), "__pycache__", f"{module}.{fn.__name__}-*.nbi")
         return bool(glob.glob(pattern))
 
     def layer_args(self, il, tables) -> tuple:

@@ -15,37 +15,32 @@ SWA_PATTERN = 6            # layers il with il % 6 == 5 are global, the others l
 LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for Gemma 3
 
 
-def make_layer(ops):
-    """The layer, written in the operations of a backend module (see llama.make_layer)."""
-    linear, linear2, linear3, norm, head_norm = ops.linear, ops.linear2, ops.linear3, ops.norm, ops.head_norm
-    rope_attend, add, geglu = ops.rope_attend, ops.add, ops.geglu
+ops = cpu_layers  # the backend operations the layer is written in (see llama.py)
 
-    def gemma3_layer(x, w, positions, kv, rope_table, window, eps, n_head, n_head_kv, head_dim, rope_dims,
+
+def gemma3_layer_ops(x, w, positions, kv, rope_table, window, eps, n_head, n_head_kv, head_dim, rope_dims,
                      q_scale):
-        """x (T, E) -> (T, E); w: the layer's tensors in Gemma3.layer_order; window 0 = global."""
-        attn_norm, wq, wk, wv, wo, ffn_norm, wg, wu, wd, q_norm, k_norm, post_attn_norm, post_ffw_norm = w
-        h = norm(x, attn_norm, eps)
-        q, k, v = linear3(wq, wk, wv, h)
-        q = head_norm(q, q_norm, eps, n_head, head_dim)
-        k = head_norm(k, k_norm, eps, n_head_kv, head_dim)
-        # llama.cpp scales Q after RoPE, before attention (kq_scale 1)
-        attn = rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, np.float32(1.0), n_head,
+    """x (T, E) -> (T, E); w: the layer's tensors in Gemma3.layer_order; window 0 = global."""
+    attn_norm, wq, wk, wv, wo, ffn_norm, wg, wu, wd, q_norm, k_norm, post_attn_norm, post_ffw_norm = w
+    h = ops.norm(x, attn_norm, eps)
+    q, k, v = ops.linear3(wq, wk, wv, h)
+    q = ops.head_norm(q, q_norm, eps, n_head, head_dim)
+    k = ops.head_norm(k, k_norm, eps, n_head_kv, head_dim)
+    # llama.cpp scales Q after RoPE, before attention (kq_scale 1)
+    attn = ops.rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, np.float32(1.0), n_head,
                            n_head_kv, head_dim, rope_dims, True)
-        x = add(x, norm(linear(wo, attn), post_attn_norm, eps))
-        h = norm(x, ffn_norm, eps)
-        gate, up = linear2(wg, wu, h)
-        return add(x, norm(linear(wd, geglu(gate, up)), post_ffw_norm, eps))
-
-    return gemma3_layer
+    x = ops.add(x, ops.norm(ops.linear(wo, attn), post_attn_norm, eps))
+    h = ops.norm(x, ffn_norm, eps)
+    gate, up = ops.linear2(wg, wu, h)
+    return ops.add(x, ops.norm(ops.linear(wd, ops.geglu(gate, up)), post_ffw_norm, eps))
 
 
-gemma3_layer = nb.njit(cache=True, nogil=True)(make_layer(cpu_layers))
+gemma3_layer = nb.njit(cache=True, nogil=True)(gemma3_layer_ops)
 
 
 class Gemma3(Transformer):
     name = "gemma3"
     rope_neox = True
-    make_layer = staticmethod(make_layer)
     layer_function = staticmethod(gemma3_layer)
     layer_order = Transformer.layer_order + ("attn_q_norm", "attn_k_norm", "post_attention_norm",
                                              "post_ffw_norm")

@@ -10,35 +10,30 @@ from ..kernels.cpu import layers as cpu_layers
 from .base import Transformer
 
 
-def make_layer(ops):
-    """The layer, written in the operations of a backend module (kernels/cpu/layers.py or
-    kernels/cuda/layers.py): compiled whole for the CPU, run op by op on the GPU."""
-    linear, linear3, norm, rope_attend, add, swiglu = (ops.linear, ops.linear3, ops.norm, ops.rope_attend,
-                                                       ops.add, ops.swiglu)
-    linear2 = ops.linear2
+# The layer is written in the operations of a backend module, `ops`: compiled whole for the
+# CPU (kernels/cpu/layers.py); base.with_ops runs the same code over kernels/cuda/layers.py.
+ops = cpu_layers
 
-    def llama_layer(x, w, positions, kv, rope_table, eps, n_head, n_head_kv, head_dim, rope_dims, attn_scale):
-        """x (T, E) -> (T, E); w: the layer's tensors in Llama.layer_order."""
-        attn_norm, wq, wk, wv, wo, ffn_norm, wg, wu, wd = w
-        h = norm(x, attn_norm, eps)
-        q, k, v = linear3(wq, wk, wv, h)
-        attn = rope_attend(q, k, v, positions, rope_table, kv, np.float32(1.0), 0, attn_scale, n_head,
+
+def llama_layer_ops(x, w, positions, kv, rope_table, eps, n_head, n_head_kv, head_dim, rope_dims, attn_scale):
+    """x (T, E) -> (T, E); w: the layer's tensors in Llama.layer_order."""
+    attn_norm, wq, wk, wv, wo, ffn_norm, wg, wu, wd = w
+    h = ops.norm(x, attn_norm, eps)
+    q, k, v = ops.linear3(wq, wk, wv, h)
+    attn = ops.rope_attend(q, k, v, positions, rope_table, kv, np.float32(1.0), 0, attn_scale, n_head,
                            n_head_kv, head_dim, rope_dims, False)
-        x = add(x, linear(wo, attn))
-        h = norm(x, ffn_norm, eps)
-        gate, up = linear2(wg, wu, h)
-        return add(x, linear(wd, swiglu(gate, up)))
-
-    return llama_layer
+    x = ops.add(x, ops.linear(wo, attn))
+    h = ops.norm(x, ffn_norm, eps)
+    gate, up = ops.linear2(wg, wu, h)
+    return ops.add(x, ops.linear(wd, ops.swiglu(gate, up)))
 
 
-llama_layer = nb.njit(cache=True, nogil=True)(make_layer(cpu_layers))
+llama_layer = nb.njit(cache=True, nogil=True)(llama_layer_ops)
 
 
 class Llama(Transformer):
     name = "llama"
     rope_neox = False  # the converter permutes Q/K so that rotation is on adjacent pairs
-    make_layer = staticmethod(make_layer)
     layer_function = staticmethod(llama_layer)
 
     def rope_tables(self, positions):
