@@ -72,23 +72,37 @@ def _quantize_row_q8_k(x, q, d32, s32):
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
+def _quantize_parallel(x, kind, xq, d16, s16, n16, d32, s32, n32):
+    for t in nb.prange(x.shape[0]):
+        _quantize_row(x, t, kind, xq, d16, s16, n16, d32, s32, n32)
+
+
+@nb.njit(cache=True, nogil=True)
 def quantize_act(x, kind, xq, d16, s16, n16, d32, s32, n32):
     """x (T, K) float32 -> xq (T, K) int8 and per-group scales/sums (see module doc)."""
-    T, K = x.shape
-    for t in nb.prange(T):
-        if kind == KIND_Q8_K:
-            _quantize_row_q8_k(x[t], xq[t], d32[t], s32[t])
-        else:
-            _quantize_row_q8_32(x[t], xq[t], d32[t], s32[t], kind == KIND_Q8_1)
-        for g in range(K // 16):
-            total = np.int32(0)
-            for j in range(16):
-                total += np.int32(xq[t, g * 16 + j])
-            n16[t, g] = total
-            d16[t, g] = d32[t, g // 2]
-            s16[t, g] = d16[t, g] * np.float32(total)
-        for g in range(K // 32):
-            n32[t, g] = n16[t, 2 * g] + n16[t, 2 * g + 1]
+    if x.shape[0] >= 8:
+        _quantize_parallel(x, kind, xq, d16, s16, n16, d32, s32, n32)
+    else:  # a few rows (decode): starting threads would cost more than the work
+        for t in range(x.shape[0]):
+            _quantize_row(x, t, kind, xq, d16, s16, n16, d32, s32, n32)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _quantize_row(x, t, kind, xq, d16, s16, n16, d32, s32, n32):
+    K = x.shape[1]
+    if kind == KIND_Q8_K:
+        _quantize_row_q8_k(x[t], xq[t], d32[t], s32[t])
+    else:
+        _quantize_row_q8_32(x[t], xq[t], d32[t], s32[t], kind == KIND_Q8_1)
+    for g in range(K // 16):
+        total = np.int32(0)
+        for j in range(16):
+            total += np.int32(xq[t, g * 16 + j])
+        n16[t, g] = total
+        d16[t, g] = d32[t, g // 2]
+        s16[t, g] = d16[t, g] * np.float32(total)
+    for g in range(K // 32):
+        n32[t, g] = n16[t, 2 * g] + n16[t, 2 * g + 1]
 
 
 @nb.njit(**_PAR)

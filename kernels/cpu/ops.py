@@ -17,22 +17,39 @@ GELU_COEF_A = np.float32(0.044715)
 SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)
 
 
-@nb.njit(**_PAR)
-def rmsnorm(x, weight, eps, out):
-    """out (T, W) = x / rms(x) * weight over the last axis; x may be (T, W) or (T*heads, W).
+# Each element-wise op has a row function and two drivers: a parallel one for batches and a
+# serial one for a few rows (decode), where starting threads would cost more than the work.
+PARALLEL_MIN_ROWS = 8
 
-    As ggml_rms_norm: the sum of squares in float64, scale = 1/sqrtf(mean + eps) in float32.
-    """
-    n, w = x.shape
-    for i in nb.prange(n):
-        total = 0.0
-        for j in range(w):
-            v = x[i, j]
-            total += np.float64(v * v)
-        mean = np.float32(total / w)
-        scale = np.float32(1.0) / np.float32(math.sqrt(mean + eps))
-        for j in range(w):
-            out[i, j] = (x[i, j] * scale) * weight[j]
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _rmsnorm_row(x, i, weight, eps, out):
+    # as ggml_rms_norm: the sum of squares in float64, scale = 1/sqrtf(mean + eps) in float32
+    w = x.shape[1]
+    total = 0.0
+    for j in range(w):
+        v = x[i, j]
+        total += np.float64(v * v)
+    mean = np.float32(total / w)
+    scale = np.float32(1.0) / np.float32(math.sqrt(mean + eps))
+    for j in range(w):
+        out[i, j] = (x[i, j] * scale) * weight[j]
+
+
+@nb.njit(**_PAR)
+def _rmsnorm_parallel(x, weight, eps, out):
+    for i in nb.prange(x.shape[0]):
+        _rmsnorm_row(x, i, weight, eps, out)
+
+
+@nb.njit(**_SER)
+def rmsnorm(x, weight, eps, out):
+    """out (T, W) = x / rms(x) * weight over the last axis; x may be (T, W) or (T*heads, W)."""
+    if x.shape[0] >= PARALLEL_MIN_ROWS:
+        _rmsnorm_parallel(x, weight, eps, out)
+    else:
+        for i in range(x.shape[0]):
+            _rmsnorm_row(x, i, weight, eps, out)
 
 
 @nb.njit(**_SER)
@@ -67,14 +84,27 @@ def rope(x, n_heads, head_dim, n_dims, cos_t, sin_t, neox):
                 x[t, b] = x0 * s + x1 * c
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def _swiglu_row(gate, up, t, out):
+    for j in range(gate.shape[1]):
+        g = gate[t, j]
+        out[t, j] = (g / (np.float32(1.0) + np.float32(math.exp(-g)))) * up[t, j]
+
+
 @nb.njit(**_PAR)
+def _swiglu_parallel(gate, up, out):
+    for t in nb.prange(gate.shape[0]):
+        _swiglu_row(gate, up, t, out)
+
+
+@nb.njit(**_SER)
 def swiglu(gate, up, out):
     """out = silu(gate) * up (ggml_swiglu)."""
-    T, F = gate.shape
-    for t in nb.prange(T):
-        for j in range(F):
-            g = gate[t, j]
-            out[t, j] = (g / (np.float32(1.0) + np.float32(math.exp(-g)))) * up[t, j]
+    if gate.shape[0] >= PARALLEL_MIN_ROWS:
+        _swiglu_parallel(gate, up, out)
+    else:
+        for t in range(gate.shape[0]):
+            _swiglu_row(gate, up, t, out)
 
 
 @nb.njit(inline="always", cache=True)
@@ -83,19 +113,32 @@ def gelu_f32(x):
         math.tanh(SQRT_2_OVER_PI * x * (np.float32(1.0) + GELU_COEF_A * x * x))))
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def _geglu_row(gate, up, t, out):
+    for j in range(gate.shape[1]):
+        g = gate[t, j]
+        if g <= np.float32(-10.0):
+            out[t, j] = 0.0
+        elif g >= np.float32(10.0):
+            out[t, j] = g * up[t, j]
+        else:
+            out[t, j] = f16_round(gelu_f32(f16_round(g))) * up[t, j]
+
+
 @nb.njit(**_PAR)
+def _geglu_parallel(gate, up, out):
+    for t in nb.prange(gate.shape[0]):
+        _geglu_row(gate, up, t, out)
+
+
+@nb.njit(**_SER)
 def geglu(gate, up, out):
     """out = gelu(gate) * up as ggml_geglu with GGML_GELU_FP16: gelu read from an f16 table."""
-    T, F = gate.shape
-    for t in nb.prange(T):
-        for j in range(F):
-            g = gate[t, j]
-            if g <= np.float32(-10.0):
-                out[t, j] = 0.0
-            elif g >= np.float32(10.0):
-                out[t, j] = g * up[t, j]
-            else:
-                out[t, j] = f16_round(gelu_f32(f16_round(g))) * up[t, j]
+    if gate.shape[0] >= PARALLEL_MIN_ROWS:
+        _geglu_parallel(gate, up, out)
+    else:
+        for t in range(gate.shape[0]):
+            _geglu_row(gate, up, t, out)
 
 
 @nb.njit(**_SER)
