@@ -506,3 +506,15 @@ def test_smollm2_cli_q4_k_m(smollm2_f16, tmp_path):
     assert "180 of 272 tensors needed a fallback type" in out.stderr
     same_type, identical, _ = compare_with_golden(tmp_path / "q.gguf", "smollm2-Q4_K_M.gguf")
     assert same_type == identical == 272
+
+
+@pytest.mark.slow
+def test_smollm2_q4_k_m_perplexity_matches_llama_cpp_for_its_file(smollm2_f16, tmp_path):
+    from minillm.perplexity import perplexity
+
+    reference = json.loads((DATA / "ppl_reference.json").read_text())["smollm2-Q4_K_M.gguf"]
+    out = tmp_path / "q4km.gguf"
+    quantize(smollm2_f16, out, "Q4_K_M")
+    ppl = perplexity(minillm.load(out), (DATA / "ppl_text_dev.txt").read_text(), n_ctx=512).ppl
+    REPORT.append(f"quantize smollm2 Q4_K_M: perplexity {ppl:.4f} (llama.cpp {reference} for its own file)")
+    assert abs(ppl - reference) / reference < 0.01
