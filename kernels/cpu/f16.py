@@ -7,9 +7,13 @@ Must not be compiled with fastmath (it relies on exact float operations).
 """
 import numba as nb
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 _F16_MAX = np.float32(65504.0)
 _SUBNORMAL_LIMIT = np.float32(2.0 ** -14)
+F16_MIN_NORMAL = _SUBNORMAL_LIMIT
 _SUBNORMAL_STEP = np.float32(2.0 ** -24)
 _SPLIT = np.float32(8193.0)  # 2^(24-11) + 1: keeps 11 significant bits
 
@@ -30,3 +34,21 @@ def f16_round_normal(x):
     """f16_round for values in float16's normal range (branch-free, so loops vectorize)."""
     c = _SPLIT * x
     return c - (c - x)
+
+
+@intrinsic
+def _float32_bits(typingctx, x):
+    """The bits of a float32 as an int32 (a bitcast; Numba has no scalar view)."""
+    sig = types.int32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+@nb.njit(inline="always", cache=True)
+def f16_bits_of_normal(r):
+    """The float16 bit pattern of r, a float32 that holds a normal float16 value exactly."""
+    bits = _float32_bits(r)
+    return ((bits >> 16) & 0x8000) | ((((bits >> 23) & 0xFF) - 112) << 10) | ((bits >> 13) & 0x3FF)

@@ -8,7 +8,8 @@ import math
 import numba as nb
 import numpy as np
 
-from .f16 import f16_round, f16_round_normal
+from .f16 import F16_MIN_NORMAL, f16_bits_of_normal, f16_round, f16_round_normal
+from .unpack import F16_TO_F32
 
 _PAR = dict(parallel=True, cache=True, nogil=True)
 _SER = dict(cache=True, nogil=True)
@@ -113,6 +114,18 @@ def gelu_f32(x):
         math.tanh(SQRT_2_OVER_PI * x * (np.float32(1.0) + GELU_COEF_A * x * x))))
 
 
+@nb.njit(cache=True)
+def _gelu_table():
+    """ggml_table_gelu_f16: float16 bits -> float16(gelu(value)), as float32 (65536,)."""
+    table = np.empty(65536, np.float32)
+    for bits in range(65536):
+        table[bits] = f16_round(gelu_f32(F16_TO_F32[bits]))
+    return table
+
+
+GELU_F16 = _gelu_table()
+
+
 @nb.njit(inline="always", cache=True, nogil=True)
 def _geglu_row(gate, up, t, out):
     for j in range(gate.shape[1]):
@@ -122,7 +135,11 @@ def _geglu_row(gate, up, t, out):
         elif g >= np.float32(10.0):
             out[t, j] = g * up[t, j]
         else:
-            out[t, j] = f16_round(gelu_f32(f16_round(g))) * up[t, j]
+            r = f16_round(g)
+            if abs(r) >= F16_MIN_NORMAL:  # read ggml's table by the float16 bits of g
+                out[t, j] = GELU_F16[f16_bits_of_normal(r)] * up[t, j]
+            else:
+                out[t, j] = f16_round(gelu_f32(r)) * up[t, j]
 
 
 @nb.njit(**_PAR)
