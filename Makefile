@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 MODELS := models/SmolLM2-135M-Instruct.Q4_1.gguf models/gemma-3-270m-q4_k_m.gguf
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: install models test test-fast bench run clean
+.PHONY: install models test test-fast bench run gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +26,10 @@ test-fast: install
 
 bench: install models
 	$(PY) -m minillm.benchmarks $(MODELS) --out bench-results.json
+
+# on a machine with an NVIDIA GPU: CUDA tests for real, golden parity and a benchmark on CUDA
+gpu-check: install models
+	$(PY) -m minillm.gpu_check --out gpu-check.json
 
 run: install models
 	$(VENV)/bin/minillm generate $(DEFAULT_MODEL) --chat --temp 0 -n 64 -p "Write one sentence about the sea."

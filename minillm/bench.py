@@ -9,16 +9,16 @@ import numpy as np
 from .model import Model
 
 
-def run_bench(path, n_prompt: int, n_gen: int, reps: int, threads, log=print) -> dict:
+def run_bench(path, n_prompt: int, n_gen: int, reps: int, threads, log=print, device: str = "cpu") -> dict:
     t0 = time.perf_counter()
-    model = Model(path, threads=threads)
+    model = Model(path, threads=threads, device=device)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     n_ctx = max(n_prompt, n_gen) + 1
     model.warm_up(log=log)
     model.eval(rng.integers(0, model.n_vocab, size=min(8, n_ctx)), model.new_cache(n_ctx), logits_from=7)
 
-    result = {"model": model.path.name, "threads": model.threads, "load_s": round(load_s, 3),
+    result = {"model": model.path.name, "device": model.device, "threads": model.threads, "load_s": round(load_s, 3),
               "n_prompt": n_prompt, "n_gen": n_gen}
     if n_prompt:
         best = min(_time_prefill(model, rng, n_prompt) for _ in range(reps))

@@ -54,12 +54,13 @@ def bench(
     n_gen: int = typer.Option(128, "-n", "--n-gen", min=0, max=1 << 16, help="Tokens to decode."),
     reps: int = typer.Option(1, "-r", "--reps", min=1, max=100, help="Repetitions (best is reported)."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=1024, help="Threads."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda, or auto."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Measure load time, prefill (pp) and decode (tg) speed, like llama-bench."""
     from .bench import run_bench
 
-    result = run_bench(model, n_prompt, n_gen, reps, threads, log=_err)
+    result = run_bench(model, n_prompt, n_gen, reps, threads, log=_err, device=device)
     if as_json:
         print(json.dumps(result))
     else:
@@ -100,6 +101,7 @@ def perplexity(
     file: Path = typer.Option(..., "-f", "--file", help="Text file to score.", show_default=False),
     n_ctx: int = typer.Option(512, "-c", "--ctx", min=16, max=1 << 16, help="Tokens per chunk."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=1024, help="Threads."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda, or auto."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Perplexity of a text, with llama-perplexity's protocol; prints `PPL = X`."""
@@ -112,7 +114,7 @@ def perplexity(
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise MinillmError(f"cannot read {file}: {exc}") from None
-    m = Model(model, threads=threads)
+    m = Model(model, threads=threads, device=device)
     m.warm_up(log=_err)
     with tqdm(total=None, unit="chunk", file=sys.stderr, disable=as_json) as bar:
         def progress(done, total, ppl):

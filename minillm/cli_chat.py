@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from .cli_generate import (
-    CHAT_TEMPLATE, CTX, FREQUENCY_PENALTY, MIN_P, MODEL, PRESENCE_PENALTY, REPEAT_LAST_N, REPEAT_PENALTY, SEED,
+    CHAT_TEMPLATE, CTX, DEVICE, FREQUENCY_PENALTY, MIN_P, MODEL, PRESENCE_PENALTY, REPEAT_LAST_N, REPEAT_PENALTY, SEED,
     SYSTEM, TEMP, THREADS, TOP_K, TOP_P, sampling_options,
 )
 
@@ -29,6 +29,7 @@ def register(app: typer.Typer) -> None:
         seed: Optional[int] = SEED,
         ctx: Optional[int] = CTX,
         threads: Optional[int] = THREADS,
+        device: str = DEVICE,
         system: Optional[str] = SYSTEM,
         chat_template: Optional[Path] = CHAT_TEMPLATE,
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Show tokens/s after each reply."),
@@ -40,7 +41,7 @@ def register(app: typer.Typer) -> None:
 
         params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
                                                    presence_penalty, frequency_penalty, seed))
-        m = Model(model, threads=threads)
+        m = Model(model, threads=threads, device=device)
         m.warm_up(log=lambda text: print(text, file=sys.stderr))
         session = Chat(m, params, n_predict=n_predict, n_ctx=ctx, system=system,
                        template_path=chat_template, verbose=verbose)

@@ -28,6 +28,7 @@ SEED = typer.Option(None, "--seed", min=0, max=2**63 - 1, help="Random seed (def
 CTX = typer.Option(None, "-c", "--ctx", min=16, max=1 << 20, help="Context size (default: min(4096, the model's)).")
 THREADS = typer.Option(None, "-t", "--threads", min=1, max=1024, help="Threads (default: all cores).")
 SYSTEM = typer.Option(None, "--system", help="System message.")
+DEVICE = typer.Option("auto", "--device", help="cpu, cuda, or auto (CUDA when numba-cuda finds a GPU).")
 CHAT_TEMPLATE = typer.Option(None, "--chat-template", help="Jinja chat template file to use instead of the model's.")
 
 
@@ -86,6 +87,7 @@ def register(app: typer.Typer) -> None:
         stop: List[str] = typer.Option([], "--stop", help="Stop at this text (repeatable)."),
         ctx: Optional[int] = CTX,
         threads: Optional[int] = THREADS,
+        device: str = DEVICE,
         chat: bool = typer.Option(False, "--chat", help="Send the prompt as one user message through the chat template."),
         system: Optional[str] = SYSTEM,
         chat_template: Optional[Path] = CHAT_TEMPLATE,
@@ -106,7 +108,7 @@ def register(app: typer.Typer) -> None:
         seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
         params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
                                                    presence_penalty, frequency_penalty, seed))
-        m = Model(model, threads=threads)
+        m = Model(model, threads=threads, device=device)
         m.warm_up(log=_err)
         if chat or system is not None or chat_template is not None:
             messages = ([{"role": "system", "content": system}] if system is not None else [])

@@ -14,6 +14,31 @@ from .gguf_file import GGUFFile
 from .kv_cache import KVCache
 
 DEFAULT_BATCH = 512
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def resolve_device(device: str) -> str:
+    """"cpu" or "cuda" for a requested device. "auto": CUDA when an NVIDIA driver is present and
+    numba-cuda finds a GPU (the CUDA simulator does not count). numba.cuda is imported only when
+    a GPU may be there, so CPU users never pay for it."""
+    if device not in DEVICES:
+        raise MinillmError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
+    if device == "cpu" or (device == "auto" and not os.path.exists("/dev/nvidiactl")):
+        return "cpu"
+    import importlib.util
+
+    if importlib.util.find_spec("numba_cuda") is None:
+        if device == "cuda":
+            raise MinillmError("--device cuda needs numba-cuda: pip install 'minillm[cuda]'")
+        return "cpu"
+    from numba import cuda
+    from numba.core import config
+
+    if device == "auto":
+        return "cuda" if cuda.is_available() and not config.ENABLE_CUDASIM else "cpu"
+    if not cuda.is_available():
+        raise MinillmError("--device cuda: numba.cuda finds no CUDA GPU")
+    return "cuda"
 
 
 def default_threads() -> int:
@@ -23,7 +48,7 @@ def default_threads() -> int:
 class Model:
     """A loaded model. `logits(ids)` evaluates a fresh sequence."""
 
-    def __init__(self, path: str | os.PathLike, threads: int | None = None, progress=None):
+    def __init__(self, path: str | os.PathLike, threads: int | None = None, progress=None, device: str = "cpu"):
         t0 = time.perf_counter()
         self.path = Path(path)
         self.threads = threads or default_threads()
@@ -31,7 +56,14 @@ class Model:
         self.gguf = GGUFFile(path)
         self.arch = get_architecture(self.gguf.architecture)(self.gguf)
         self.hp = self.arch.hp
-        self.arch.load_weights(progress)
+        self.device = resolve_device(device)
+        self.backend = None  # the CUDA backend (weights on the GPU), or None: the CPU
+        if self.device == "cuda":
+            from .backend_cuda import CudaBackend
+
+            self.backend = CudaBackend(self.arch, progress)
+        else:
+            self.arch.load_weights(progress)
         self.gguf.release_pages()
         self._tokenizer = None
         self.load_seconds = time.perf_counter() - t0
@@ -39,6 +71,9 @@ class Model:
     def warm_up(self, log=None) -> None:
         """Run one token through the model so that the compiled kernels are ready. On the first
         run on a machine that compiles them (about a minute): say so, with a spinner."""
+        if self.backend is not None:
+            self.backend.warm_up()
+            return
         if log is not None and not self.arch.kernels_cached():
             from rich.console import Console
 
@@ -55,6 +90,8 @@ class Model:
 
     def new_cache(self, n_ctx: int, n_keep: int = 0, batch_size: int = DEFAULT_BATCH) -> KVCache:
         """A KV cache of n_ctx positions (ring buffers: see kv_cache.py); n_keep sink tokens."""
+        if self.backend is not None:
+            return self.backend.new_cache(n_ctx, n_keep, batch_size)
         hp = self.hp
         sizes, layout = self.arch.cache_layout(n_ctx, min(batch_size, n_ctx))
         return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, sizes, layout, n_keep)
@@ -62,11 +99,12 @@ class Model:
     def eval(self, ids, cache: KVCache, logits_from: int = 0, batch_size: int = DEFAULT_BATCH) -> np.ndarray:
         """Append ids to cache in batches; logits (len(ids) - logits_from, n_vocab)."""
         ids = self.check_ids(ids)
+        forward = self.backend.forward if self.backend is not None else self.arch.forward
         out = []
         for b0 in range(0, len(ids), batch_size):
             chunk = ids[b0:b0 + batch_size]
             first = max(0, logits_from - b0)
-            logits = self.arch.forward(chunk, cache, min(first, len(chunk)))
+            logits = forward(chunk, cache, min(first, len(chunk)))
             if logits.shape[0]:
                 out.append(logits)
         if not out:
@@ -147,5 +185,6 @@ class Result:
         return cls("".join(parts), tokens, last.finish_reason, last.timings)
 
 
-def load(path: str | os.PathLike, threads: int | None = None, progress=None) -> Model:
-    return Model(path, threads=threads, progress=progress)
+def load(path: str | os.PathLike, threads: int | None = None, progress=None, device: str = "cpu") -> Model:
+    """Load a GGUF model; device "cpu", "cuda" or "auto" (CUDA when a GPU is usable)."""
+    return Model(path, threads=threads, progress=progress, device=device)

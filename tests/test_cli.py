@@ -63,3 +63,11 @@ def test_bench_json_on_real_model():
     result = json.loads(lines[0])
     for key in ("pp_tokens_per_s", "tg_tokens_per_s", "load_s"):
         assert result[key] > 0
+
+
+def test_device_option(tiny_llama):
+    out = run("bench", str(tiny_llama), "-p", "4", "-n", "2", "--device", "gpu0")
+    assert out.returncode == 1 and "unknown device 'gpu0'" in out.stderr
+    out = run("bench", str(tiny_llama), "-p", "4", "-n", "2", "--device", "auto", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["device"] == "cpu"  # no GPU here (or only the simulator)

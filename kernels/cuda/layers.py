@@ -1,0 +1,181 @@
+"""The operations an architecture's layer is written in (minillm/arch/*.py), on the GPU.
+
+Same names, arguments and results as kernels/cpu/layers.py, over device arrays:
+    x, q, k, v, ...   float32 (T, width) device arrays
+    weights           DeviceMatrix (a matrix: QWeights or FWeights and the activation kind it
+                      takes) or a float32 (width,) device vector (norms)
+    positions         int64 (T,) device array
+    rope_table        (freq_base, freq_scale): the CUDA RoPE kernel computes its own angles
+    kv                (kcache, vcache (S, Hkv, D) float16, kv_pos (S,) int64, slots (T,) int64,
+                       n_used, n_keep, ring_start), as kernels/cpu/layers.py's
+so that `Transformer.layer_with_ops(this module)` runs an architecture's layer on the GPU.
+
+Results are taken from POOL, device buffers reused from one layer to the next: the backend
+calls `recycle(keep)` once a layer is done, which hands every buffer but `keep` back. (numba
+frees device memory in batches that synchronise the device; reusing buffers avoids that and
+the allocation calls.) One forward pass at a time.
+
+Two ops write into an argument, as the CPU's rope_attend rotates q and k in place:
+rope_attend rotates q and k, and add(x, y) computes x + y into y (always a temporary in the
+layers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from .attention import attention
+from .matmul import FWeights, QWeights, fmatmul, qmatmul
+from .norm_quant import QActivations, quantize, rmsnorm
+from .ops import add_inplace, geglu as geglu_into, rope_store_kv, swiglu as swiglu_into
+
+FLOAT_KIND = -1  # DeviceMatrix.kind of float weights: activations are rounded, not quantized
+
+# which matrix-product kernels: None chooses by batch size (matrix-vector for a few tokens,
+# tiled above); True always takes the tiled ones (the tests do under the CUDA simulator, where
+# the matrix-vector kernels' warp reductions cost minutes; test_cuda_kernels checks them)
+BATCHED: bool | None = None
+
+
+@dataclass(frozen=True)
+class DeviceMatrix:
+    """A weight matrix (n_rows outputs, n_cols inputs) on the device."""
+
+    weights: QWeights | FWeights
+    kind: int  # the activation quantization it takes (KIND_Q8_0/Q8_1/Q8_K), FLOAT_KIND for floats
+
+    @property
+    def n_rows(self) -> int:
+        return self.weights.n_rows
+
+
+class BufferPool:
+    """Device buffers by (row class, trailing shape, dtype); rows are rounded up to a power of
+    two so that batches of varying length share a few sizes. `take` returns a view of the
+    first rows of a pooled buffer."""
+
+    def __init__(self):
+        self.free: dict[tuple, list] = {}  # key -> buffers not in use
+        self.used: list[tuple] = []        # (key, buffer, the view handed out)
+
+    def take(self, shape: tuple[int, ...], dtype=np.float32):
+        rows = 1 << max(0, int(shape[0]) - 1).bit_length()
+        key = (rows, tuple(shape[1:]), np.dtype(dtype).str)
+        stack = self.free.get(key)
+        buffer = stack.pop() if stack else cuda.device_array((rows, *shape[1:]), dtype)
+        view = buffer[:shape[0]]
+        self.used.append((key, buffer, view))
+        return view
+
+    def upload(self, host: np.ndarray):
+        """A pooled device copy of a host array."""
+        view = self.take(host.shape, host.dtype)
+        view.copy_to_device(np.ascontiguousarray(host))
+        return view
+
+    def recycle(self, keep=()) -> None:
+        """Every buffer handed out, but the views in keep, is free for reuse."""
+        kept = []
+        for key, buffer, view in self.used:
+            if any(view is k for k in keep):
+                kept.append((key, buffer, view))
+            else:
+                self.free.setdefault(key, []).append(buffer)
+        self.used = kept
+
+
+POOL = BufferPool()
+
+
+def recycle(keep=()) -> None:
+    POOL.recycle(keep)
+
+
+# ---- matrix products -------------------------------------------------------------------
+
+def _quantize(x, kind: int):
+    """x (T, K) quantized for activation kind into pooled buffers; None for float weights."""
+    if kind == FLOAT_KIND:
+        return None
+    T, K = x.shape
+    act = QActivations(kind, POOL.take((T, K // 4), np.int32),
+                       POOL.take((T, K // 16)), POOL.take((T, K // 16)),   # d16, s16
+                       POOL.take((T, K // 32)), POOL.take((T, K // 32)))   # d32, s32
+    return quantize(x, kind, act)
+
+
+def _apply(w: DeviceMatrix, x, act):
+    """out (T, N) = x @ W.T, act the quantized x for w's kind (None for float weights)."""
+    out = POOL.take((x.shape[0], w.n_rows))
+    if w.kind == FLOAT_KIND:
+        return fmatmul(w.weights, x, out, scratch=POOL.take(x.shape), batched=BATCHED)
+    return qmatmul(w.weights, act, out, batched=BATCHED)
+
+
+def _shared_quantization(weights, x) -> list:
+    """The quantized x for each matrix, quantizing once per distinct activation kind."""
+    by_kind = {}
+    for w in weights:
+        if w.kind not in by_kind:
+            by_kind[w.kind] = _quantize(x, w.kind)
+    return [by_kind[w.kind] for w in weights]
+
+
+def linear(w, x):
+    """out (T, N) = x (T, K) @ W.T, activations quantized as llama.cpp pairs them with W."""
+    return _apply(w, x, _quantize(x, w.kind))
+
+
+def linear2(w1, w2, x):
+    a1, a2 = _shared_quantization((w1, w2), x)
+    return _apply(w1, x, a1), _apply(w2, x, a2)
+
+
+def linear3(w1, w2, w3, x):
+    a1, a2, a3 = _shared_quantization((w1, w2, w3), x)
+    return _apply(w1, x, a1), _apply(w2, x, a2), _apply(w3, x, a3)
+
+
+# ---- norms, attention, element-wise ------------------------------------------------------
+
+def norm(x, weight, eps):
+    """rmsnorm(x) * weight over the last axis: x (R, W) -> new (R, W)."""
+    return rmsnorm(x, weight, eps, POOL.take(x.shape))
+
+
+def head_norm(x, weight, eps, n_heads, head_dim):
+    """RMS norm of each head: x (T, n_heads*head_dim) -> new array."""
+    T = x.shape[0]
+    return norm(x.reshape(T * n_heads, head_dim), weight, eps).reshape(T, n_heads * head_dim)
+
+
+def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, n_heads, n_kv_heads,
+                head_dim, rope_dims, neox):
+    """RoPE on q and k (in place), store k/v in the cache, attention of q * q_scale -> (T, H*D).
+
+    q_scale is folded into the score scale: the attention kernel rounds q to f16 before the dot
+    products, and f16(q * s) * (dot scale) == f16(q) * (s * dot scale) exactly when s is a power
+    of two (Gemma 3's 1/sqrt(256)); otherwise the two differ by one f16 rounding of q."""
+    freq_base, freq_scale = rope_table
+    kcache, vcache, kv_pos, slots, n_used, n_keep, ring_start = kv
+    rope_store_kv(q, k, v, positions, slots, n_heads, rope_dims, freq_base, freq_scale, neox,
+                  kcache, vcache, kv_pos)
+    out = POOL.take((q.shape[0], n_heads * head_dim))
+    scale = np.float32(np.float32(kq_scale) * np.float32(q_scale))
+    return attention(q, positions, kcache, vcache, kv_pos, n_used, n_keep, ring_start, window, scale,
+                     n_heads, out)
+
+
+def add(x, y):
+    """x + y, computed into y (x is left as it was)."""
+    return add_inplace(y, x)
+
+
+def swiglu(gate, up):
+    return swiglu_into(gate, up, POOL.take(gate.shape))
+
+
+def geglu(gate, up):
+    return geglu_into(gate, up, POOL.take(gate.shape))

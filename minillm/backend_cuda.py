@@ -1,0 +1,201 @@
+"""Running a model on an NVIDIA GPU: the architecture's own layer code (minillm/arch/*.py) over
+the CUDA operations of kernels/cuda/layers.py, with the weights and the KV cache on the device.
+
+    backend = CudaBackend(arch)                  # uploads the weights (instead of arch.load_weights)
+    cache = backend.new_cache(n_ctx, n_keep, batch_size)
+    logits = backend.forward(ids, cache, logits_from)   # as arch.forward, same results
+
+Importing this module imports numba.cuda (the `cuda` extra); the CPU path never does.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+
+import numpy as np
+from numba import cuda
+
+from .errors import ModelError
+from .kernels.cpu.matmul import KIND_IDS
+from .kernels.cpu.unpack import dequantize, unpack
+from .kernels.cuda import layers as cuda_layers
+from .kernels.cuda import rmsnorm, upload_float_matrix, upload_matrix
+from .kernels.cuda.attention import MAX_HEAD_DIM
+from .kernels.cuda.layers import FLOAT_KIND, DeviceMatrix
+from .kernels.cuda.matmul import MATVEC_MAX_T
+from .kernels.cuda.norm_quant import MAX_K
+from .kv_cache import KVCache
+
+
+class CudaKVCache(KVCache):
+    """A KVCache whose keys and values live on the device, float16 (S, Hkv, D) per layer.
+
+    The host keeps the bookkeeping (groups, slots, positions, n_past) exactly as KVCache; each
+    group's kv_pos (S,) is mirrored on the device, where the RoPE/store kernel writes it during
+    a forward, and re-uploaded when the host changes it otherwise (truncate, clear)."""
+
+    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, group_sizes: dict[str, int],
+                 layer_groups: list[str], n_keep: int = 0):
+        # the host part with zero-width k/v arrays: the keys and values are on the device
+        super().__init__(n_layer, n_head_kv, 0, group_sizes, layer_groups, n_keep)
+        self.k = [_device_zeros((group_sizes[g], n_head_kv, head_dim)) for g in layer_groups]
+        self.v = [_device_zeros((group_sizes[g], n_head_kv, head_dim)) for g in layer_groups]
+        self.device_kv_pos = {name: cuda.to_device(g.kv_pos) for name, g in self.groups.items()}  # (S,) int64
+        self.device_slots = {}  # group -> (T,) int64 slots of the batch being evaluated
+
+    def reserve(self, n: int) -> np.ndarray:
+        positions = super().reserve(n)
+        self.device_slots = {name: cuda_layers.POOL.upload(s) for name, s in self._slots.items()}
+        return positions
+
+    def commit(self, n: int) -> None:
+        """The batch of n tokens is stored: the kernels set the device's kv_pos of each group a
+        layer uses, the host's follows."""
+        positions = np.arange(self.n_past, self.n_past + n, dtype=np.int64)
+        for name in set(self.layer_groups):
+            self.groups[name].kv_pos[self._slots[name]] = positions
+        super().commit(n)
+
+    def device_kv(self, il: int, last_pos: int) -> tuple:
+        """The kv tuple of kernels/cuda/layers.py for layer il, after writing up to last_pos."""
+        name = self.layer_groups[il]
+        group = self.groups[name]
+        n_used, ring_start = group.scan_order(last_pos)
+        return (self.k[il], self.v[il], self.device_kv_pos[name], self.device_slots[name], n_used,
+                group.n_keep, ring_start)
+
+    def truncate(self, n: int) -> None:
+        super().truncate(n)
+        for name, group in self.groups.items():
+            self.device_kv_pos[name].copy_to_device(group.kv_pos)
+
+    def __deepcopy__(self, memo):
+        """An independent copy (beam search forks caches), device arrays included."""
+        new = copy.copy(self)
+        new.groups = copy.deepcopy(self.groups, memo)
+        new._slots = dict(self._slots)
+        new.k = [_device_copy(a) for a in self.k]
+        new.v = [_device_copy(a) for a in self.v]
+        new.device_kv_pos = {name: _device_copy(a) for name, a in self.device_kv_pos.items()}
+        new.device_slots = {}
+        return new
+
+
+def _device_zeros(shape: tuple[int, ...]):
+    return cuda.to_device(np.zeros(shape, np.float16))
+
+
+def _device_copy(array):
+    out = cuda.device_array_like(array)
+    out.copy_to_device(array)
+    return out
+
+
+class CudaBackend:
+    """An architecture's weights on the device and its forward pass there."""
+
+    _lock = threading.Lock()  # the ops' buffer pool serves one forward pass at a time
+
+    def __init__(self, arch, progress=None):
+        self.arch = arch
+        self.hp = arch.hp
+        if self.hp.head_dim > MAX_HEAD_DIM:
+            raise ModelError(f"heads of {self.hp.head_dim} values are larger than the CUDA attention "
+                             f"takes ({MAX_HEAD_DIM})")
+        self.layer = arch.layer_with_ops(cuda_layers)
+        self.rope = _rope_parameters(arch)
+        self.load_weights(progress)
+
+    # -- weights ---------------------------------------------------------------------
+    def load_weights(self, progress=None) -> None:
+        """Upload every tensor once, laid out as Transformer.load_weights lays them out."""
+        arch, hp = self.arch, self.hp
+        self.output_norm = self.vector("output_norm.weight")                     # (E,)
+        self.output = self.matrix("output.weight" if "output.weight" in arch.gguf.tensors
+                                  else "token_embd.weight")                       # (V, E)
+        self.layers = []  # per layer: a tuple in layer_order (device vectors, DeviceMatrix)
+        for il in range(hp.n_layer):
+            shapes = arch.layer_tensors(il)
+            self.layers.append(tuple(
+                self.vector(f"blk.{il}.{suffix}.weight") if len(shapes[suffix]) == 1
+                else self.matrix(f"blk.{il}.{suffix}.weight") for suffix in arch.layer_order))
+            if progress:
+                progress(il + 1, hp.n_layer)
+
+    def vector(self, name: str):
+        return cuda.to_device(np.ascontiguousarray(self.arch.vector(name)))
+
+    def matrix(self, name: str) -> DeviceMatrix:
+        gguf = self.arch.gguf
+        info = gguf.tensors[name]
+        fmt, raw, n_cols = info.format, gguf.raw(name), info.shape[0]
+        if fmt.quantized and n_cols > MAX_K:
+            raise ModelError(f"tensor '{name}': rows of {n_cols} values are longer than the CUDA "
+                             f"kernels quantize ({MAX_K})")
+        if fmt.quantized:
+            q, scale, bias = unpack(fmt, raw, n_cols)  # (N, K) codes, (N, K/G) scales and biases
+            matrix = DeviceMatrix(upload_matrix(q, scale, bias, fmt.group), KIND_IDS[fmt.activation])
+        else:
+            matrix = DeviceMatrix(upload_float_matrix(dequantize(fmt, raw, n_cols), fmt.name), FLOAT_KIND)
+        gguf.release_pages(name)
+        return matrix
+
+    # -- forward ---------------------------------------------------------------------
+    def new_cache(self, n_ctx: int, n_keep: int = 0, batch_size: int = 512) -> CudaKVCache:
+        """As Model.new_cache, with the keys and values on the device."""
+        hp = self.hp
+        sizes, layout = self.arch.cache_layout(n_ctx, min(batch_size, n_ctx))
+        return CudaKVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, sizes, layout, n_keep)
+
+    def forward(self, ids: np.ndarray, cache: CudaKVCache, logits_from: int) -> np.ndarray:
+        """Evaluate ids at the cache's next positions; logits (T - logits_from, V) on the host."""
+        with self._lock:
+            try:
+                return self._forward(ids, cache, logits_from)
+            finally:
+                cuda_layers.recycle()
+
+    def _forward(self, ids, cache, logits_from):
+        pool = cuda_layers.POOL
+        positions = cache.reserve(len(ids))
+        last = int(positions[-1])
+        d_positions = pool.upload(positions)          # (T,) int64
+        x = pool.upload(self.arch.embed(ids))         # (T, E) float32
+        for il, weights in enumerate(self.layers):
+            x = self.layer(x, weights, d_positions, cache.device_kv(il, last),
+                           *self.arch.layer_args(il, self.rope))
+            cuda_layers.recycle(keep=(x, d_positions, *cache.device_slots.values()))
+        cache.commit(len(ids))
+        n_out = len(ids) - logits_from
+        if n_out <= 0:
+            return np.empty((0, self.hp.n_vocab), np.float32)
+        x = x[logits_from:]                           # (n_out, E)
+        xn = rmsnorm(x, self.output_norm, np.float32(self.hp.rms_eps), pool.take(x.shape))
+        logits = cuda_layers.linear(self.output, xn).copy_to_host()
+        return self.arch.finish_logits(logits)
+
+    def warm_up(self) -> None:
+        """Compile the kernels (numba compiles each on its first launch): a one-token step
+        (matrix-vector kernels) and a short batch (tiled kernels)."""
+        for n in (1, MATVEC_MAX_T + 1):
+            self.forward(np.zeros(n, np.int64), self.new_cache(n), n - 1)
+
+
+class _RopeParameters:
+    """Stands in for the architecture in its own rope_tables(): where the CPU computes cos/sin
+    tables it answers (freq_base, freq_scale), which the CUDA RoPE kernel takes."""
+
+    def __init__(self, arch):
+        self._arch = arch
+
+    def __getattr__(self, name):
+        return getattr(self._arch, name)
+
+    @staticmethod
+    def rope_table(positions, base: float, scale: float = 1.0) -> tuple[float, float]:
+        return float(base), float(scale)
+
+
+def _rope_parameters(arch):
+    """arch.rope_tables(...) with (freq_base, freq_scale) pairs for tables (positions unused)."""
+    return type(arch).rope_tables(_RopeParameters(arch), None)

@@ -1,0 +1,217 @@
+"""The checks that need a real NVIDIA GPU, in one run of a few minutes (make gpu-check):
+
+    python -m minillm.gpu_check --out gpu-check.json
+
+  tests   the CUDA tests on the GPU (MINILLM_CUDA_REAL=1 pytest -m cuda): every kernel against
+          the CPU kernels and compiled to PTX, the CUDA backend against the CPU path
+  golden  both real models teacher-forced on llama.cpp's greedy runs (tests/data/greedy_*) on
+          CUDA: agreement and mean |logit diff| over llama.cpp's top-10, as
+          tests/test_golden_forward.py measures them on the CPU; and the same logits from the
+          CPU, compared with CUDA's
+  bench   prefill (pp512) and decode (tg128) speed of both models on CUDA and on the CPU
+
+Writes every result as JSON to --out (after each stage, so a cut-short run keeps what it
+measured). Exits 1 when there is no GPU (with the reason), when a test fails or when an
+agreement falls below the CPU test's floor. Run from a checkout with `make models` done.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "data"
+MODELS = {
+    "smollm2": ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "gemma3": ROOT / "models" / "gemma-3-270m-q4_k_m.gguf",
+}
+MIN_AGREEMENT = 0.94    # tests/test_golden_forward.py's floor on the CPU
+BUDGET_S = 380          # no stage starts after this: the whole run stays under 8 minutes
+TESTS_TIMEOUT_S = 240
+
+
+class NoGPU(Exception):
+    pass
+
+
+def gpu_facts() -> dict:
+    """The GPU numba.cuda sees; raises NoGPU (with the reason) when there is none."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") not in (None, "", "0"):
+        raise NoGPU("NUMBA_ENABLE_CUDASIM is set: this check needs a real GPU, not the simulator")
+    if importlib.util.find_spec("numba_cuda") is None:  # NVIDIA's CUDA target: the `cuda` extra
+        raise NoGPU("numba-cuda is not installed: pip install -e '.[cuda]'")
+    from numba import cuda
+
+    if not cuda.is_available():
+        raise NoGPU("numba.cuda finds no usable CUDA GPU (no NVIDIA driver or device)")
+    device = cuda.get_current_device()
+    name = device.name.decode() if isinstance(device.name, bytes) else str(device.name)
+    free, total = cuda.current_context().get_memory_info()
+    return {"name": name, "compute_capability": list(device.compute_capability),
+            "memory_gib": round(total / 2**30, 1), "free_gib": round(free / 2**30, 1)}
+
+
+# ---- stages ------------------------------------------------------------------------------
+
+def run_tests(timeout: float) -> dict:
+    """pytest -m cuda on the two CUDA test files, on the GPU; counts and failing tests."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+               f"--junitxml={report}", "tests/test_cuda_kernels.py", "tests/test_cuda_model.py"]
+        env = dict(os.environ, MINILLM_CUDA_REAL="1")
+        env.pop("NUMBA_ENABLE_CUDASIM", None)
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
+        result = {"returncode": proc.returncode, "seconds": round(time.perf_counter() - t0, 1)}
+        if report.exists():
+            result.update(_junit_summary(report))
+        result["ok"] = proc.returncode == 0
+        if not result["ok"]:
+            result["output_tail"] = (proc.stdout + proc.stderr)[-4000:]
+        return result
+
+
+def _junit_summary(path: Path) -> dict:
+    suite = ET.parse(path).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
+              if case.find("failure") is not None or case.find("error") is not None]
+    return {**counts, "failed": failed}
+
+
+def load(path: Path, device: str):
+    from .model import Model
+
+    model = Model(path, device=device)
+    model.warm_up()
+    return model
+
+
+def golden_rows(name: str) -> list[dict]:
+    with open(DATA / f"greedy_{name}_dev.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def golden(name: str, gpu_model, cpu_model, deadline: float) -> dict:
+    """Teacher-forced agreement with llama.cpp on CUDA, and CUDA's logits against the CPU's."""
+    agree = steps = cpu_agree = 0
+    diffs, cpu_diffs, cpu_rel = [], [], []
+    t0 = time.perf_counter()
+    for row in golden_rows(name):
+        prompt = row["prompt_ids"]
+        ids = prompt + [s["next"] for s in row["steps"]][:-1]
+        logits = gpu_model.logits(ids, start=len(prompt) - 1)
+        for i, step in enumerate(row["steps"]):
+            agree += int(np.argmax(logits[i]) == step["next"])
+            diffs.extend(abs(float(logits[i][tok]) - val) for tok, val in step["top"])
+        steps += len(row["steps"])
+        if cpu_model is not None and time.perf_counter() < deadline:
+            want = cpu_model.logits(ids, start=len(prompt) - 1)
+            cpu_agree += int(np.sum(want.argmax(-1) == logits.argmax(-1)))
+            cpu_diffs.append(float(np.abs(logits - want).mean()))
+            cpu_rel.append(float(np.abs(logits - want).max() / np.abs(want).max()))
+    rate = agree / steps
+    result = {"steps": steps, "agreement": round(rate, 4), "mean_abs_logit_diff_top10": round(float(np.mean(diffs)), 4),
+              "ok": rate >= MIN_AGREEMENT, "min_agreement": MIN_AGREEMENT,
+              "seconds": round(time.perf_counter() - t0, 1)}
+    if cpu_diffs:
+        n_rows = len(cpu_diffs)
+        n_steps = sum(len(r["steps"]) for r in golden_rows(name)[:n_rows])
+        result["vs_cpu"] = {"rows": n_rows, "argmax_agreement": round(cpu_agree / n_steps, 4),
+                            "mean_abs_logit_diff": round(float(np.mean(cpu_diffs)), 5),
+                            "max_rel_logit_diff": float(f"{max(cpu_rel):.3g}")}
+    return result
+
+
+def bench(model, n_prompt: int = 512, n_gen: int = 128) -> dict:
+    """Prefill and decode tokens/s as `minillm bench` measures them (best of two)."""
+    from .bench import _time_decode, _time_prefill
+
+    rng = np.random.default_rng(0)
+    prefill = min(_time_prefill(model, rng, n_prompt) for _ in range(2))
+    decode = min(_time_decode(model, rng, n_gen) for _ in range(2))
+    return {f"pp{n_prompt}_tokens_per_s": round(n_prompt / prefill, 1),
+            f"tg{n_gen}_tokens_per_s": round(n_gen / decode, 1)}
+
+
+# ---- driver --------------------------------------------------------------------------------
+
+class Report:
+    """The results so far, rewritten to the output file after every stage."""
+
+    def __init__(self, path: Path):
+        self.path, self.data, self.t0 = path, {"ok": True}, time.perf_counter()
+
+    def add(self, key: str, value) -> None:
+        self.data[key] = value
+        if isinstance(value, dict) and value.get("ok") is False:
+            self.data["ok"] = False
+        self.save()
+
+    def save(self) -> None:
+        self.data["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
+        self.path.write_text(json.dumps(self.data, indent=2) + "\n")
+
+
+def check_models(report: Report, deadline: float) -> None:
+    for name, path in MODELS.items():
+        if not path.exists():
+            report.add(name, {"ok": False, "error": f"{path} is missing: run `make models`"})
+            continue
+        if time.perf_counter() > deadline:
+            report.add(name, {"skipped": "out of time"})
+            continue
+        t0 = time.perf_counter()
+        gpu_model = load(path, "cuda")
+        entry = {"cuda_load_and_warm_up_s": round(time.perf_counter() - t0, 1)}
+        cpu_model = load(path, "cpu")
+        entry["golden"] = golden(name, gpu_model, cpu_model, deadline)
+        entry["ok"] = entry["golden"]["ok"]
+        report.add(name, entry)
+        for device, model in (("cuda", gpu_model), ("cpu", cpu_model)):
+            if time.perf_counter() < deadline:
+                entry[f"bench_{device}"] = bench(model)
+                report.add(name, entry)
+        del gpu_model, cpu_model
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON file for the results")
+    parser.add_argument("--skip-tests", action="store_true", help="only the real models")
+    args = parser.parse_args(argv)
+    report = Report(args.out)
+    deadline = time.perf_counter() + BUDGET_S
+    try:
+        report.add("gpu", gpu_facts())
+    except NoGPU as exc:
+        report.add("gpu", {"ok": False, "error": str(exc)})
+        print(f"gpu_check: no GPU to check: {exc}", file=sys.stderr)
+        return 1
+    print(f"gpu_check: {report.data['gpu']['name']}", file=sys.stderr)
+    if not args.skip_tests:
+        report.add("tests", run_tests(min(TESTS_TIMEOUT_S, deadline - time.perf_counter())))
+        print(f"gpu_check: tests {report.data['tests']}", file=sys.stderr)
+    check_models(report, deadline)
+    report.save()
+    print(json.dumps(report.data, indent=2))
+    return 0 if report.data["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""The CUDA backend (minillm/backend_cuda.py: the architectures' own layer code over
+kernels/cuda/layers.py) against the CPU path, on tiny synthetic models.
+
+Under NVIDIA's CUDA simulator (no GPU needed; MINILLM_CUDA_REAL=1 runs on a real GPU) every
+CUDA thread is a Python thread: a one-layer forward pass of a 32-wide model costs seconds. So
+each model mixes several formats (one per matrix), which covers every format of the registry
+in four models, and the models have one layer: Gemma 3 is tested once with a sliding-window
+(local) layer and once with a global one (window 0 makes every layer global). Under the
+simulator the matrix products take the tiled kernels at every batch size, and the simulator's
+thread blocks synchronise through a barrier instead of polling (see `fast_simulator`).
+"""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import cuda_env
+
+cuda_env.use_simulator_unless_real()
+
+from synthetic import SyntheticModel  # noqa: E402
+
+import minillm  # noqa: E402
+from minillm.arch import get_architecture  # noqa: E402
+from minillm.backend_cuda import CudaBackend  # noqa: E402
+from minillm.formats import FORMATS  # noqa: E402
+from minillm.gguf_file import GGUFFile  # noqa: E402
+from minillm.kernels.cuda import layers as cuda_layers  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+# CUDA and CPU logits agree within this fraction of the largest |logit|. Under the simulator
+# the largest difference measured is 1.1e-7 (most models: bit-identical): the kernels sum some
+# float32 products in another order. A real GPU also contracts multiply-adds (FMA), and a
+# last-bit change can move an activation's int8 code by one step, about 1e-3 of the logits.
+REL_TOL = 1e-3 if cuda_env.REAL_GPU else 1e-5
+MEASURED = {"max_rel_diff": 0.0}
+
+TINY = dict(n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_ff=32, n_vocab=16)
+# K-quants need rows of 256 values: the matrices reading the embedding (q, k, v, gate, up and
+# the tied output) are 256 wide, the others take the 32-value formats
+WIDE = dict(TINY, n_embd=256)
+
+# per model: the format of each matrix (by tensor name), the rest in the model's default format
+SMALL_FORMATS = {"token_embd": "Q8_0", "attn_q": "F32", "attn_k": "F16", "attn_v": "BF16",
+                 "attn_output": "Q4_0", "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q5_1"}
+K_FORMATS = {"token_embd": "Q6_K", "attn_q": "Q2_K", "attn_k": "Q3_K", "attn_v": "Q4_K",
+             "attn_output": "Q8_0", "ffn_gate": "Q5_K", "ffn_up": "Q6_K", "ffn_down": "Q4_0"}
+
+# (arch, dims, formats, sliding window): every format of the registry, both architectures
+MODELS = {
+    "llama-small-formats": ("llama", TINY, SMALL_FORMATS, 0),
+    "llama-k-quants": ("llama", WIDE, K_FORMATS, 0),
+    "gemma3-local-small-formats": ("gemma3", TINY, SMALL_FORMATS, 2),
+    "gemma3-global-k-quants": ("gemma3", WIDE, K_FORMATS, 0),
+}
+
+
+class MixedFormatModel(SyntheticModel):
+    """A SyntheticModel whose matrices take the formats given by tensor name."""
+
+    def __init__(self, arch: str, formats: dict[str, str], **dims):
+        super().__init__(arch, "Q8_0", n_layer=1, **dims)
+        self.formats = formats
+
+    def add(self, name, rows, cols, fmt=None):
+        suffix = name.split(".")[-2]  # blk.0.attn_q.weight -> attn_q
+        super().add(name, rows, cols, self.formats.get(suffix, fmt))
+
+
+# ---------------------------------------------------------------------------------------------
+# the simulator, faster: its BlockManager polls every thread of a block in a loop that holds
+# the GIL (about 0.5 ms per thread and syncthreads); here the threads of a block wait on a
+# barrier instead. Same semantics: the block's threads run concurrently, syncthreads waits for
+# every thread still running, the first error is raised.
+# ---------------------------------------------------------------------------------------------
+class _BlockBarrier:
+    def __init__(self, n_threads: int):
+        self.n_running, self.n_waiting, self.broken = n_threads, 0, False
+        self.cond = threading.Condition()
+        self.generation = 0
+
+    def _release(self):
+        self.n_waiting = 0
+        self.generation += 1
+        self.cond.notify_all()
+
+    def wait(self):
+        with self.cond:
+            generation = self.generation
+            self.n_waiting += 1
+            if self.n_waiting == self.n_running:
+                self._release()
+            while generation == self.generation and not self.broken:
+                self.cond.wait()
+            if self.broken:
+                raise RuntimeError("another thread of the block failed")
+
+    def leave(self):
+        with self.cond:
+            self.n_running -= 1
+            if self.n_waiting and self.n_waiting == self.n_running:
+                self._release()
+
+    def abort(self):
+        with self.cond:
+            self.broken = True
+            self.cond.notify_all()
+
+
+def _barrier_block_manager(sim_kernel):
+    class BarrierThread(sim_kernel.BlockThread):
+        def __init__(self, barrier, *args):
+            super().__init__(*args)
+            self.barrier = barrier
+
+        def syncthreads(self):
+            self.barrier.wait()
+
+    class BarrierBlockManager(sim_kernel.BlockManager):
+        def run(self, grid_point, *args):
+            barrier = _BlockBarrier(int(np.prod(self._block_dim)))
+
+            def target():
+                try:
+                    self._f(*args)
+                except BaseException:
+                    barrier.abort()
+                    raise
+                finally:
+                    barrier.leave()
+
+            threads = [BarrierThread(barrier, target, self, grid_point, point, self._debug)
+                       for point in np.ndindex(*self._block_dim)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            errors = [t.exception for t in threads if t.exception]
+            if errors:  # the failing thread's error, rather than the others' aborts
+                exc, tb = next((e for e in errors if "another thread" not in str(e[0])), errors[0])
+                raise exc.with_traceback(tb)
+
+    return BarrierBlockManager
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_simulator():
+    if cuda_env.REAL_GPU:
+        yield
+        return
+    from numba.cuda.simulator import kernel as sim_kernel
+
+    saved = sim_kernel.BlockManager, cuda_layers.BATCHED
+    sim_kernel.BlockManager = _barrier_block_manager(sim_kernel)
+    cuda_layers.BATCHED = True
+    yield
+    sim_kernel.BlockManager, cuda_layers.BATCHED = saved
+
+
+# ---------------------------------------------------------------------------------------------
+# the models
+# ---------------------------------------------------------------------------------------------
+def test_the_models_cover_every_format():
+    covered = {fmt for _, _, formats, _ in MODELS.values() for fmt in formats.values()}
+    assert covered == {f.name for f in FORMATS}
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cuda_models")
+    return {name: MixedFormatModel(arch, formats, window=window, **dims).build().write(folder / f"{name}.gguf")
+            for name, (arch, dims, formats, window) in MODELS.items()}
+
+
+def cuda_backend(path) -> CudaBackend:
+    gguf = GGUFFile(path)
+    return CudaBackend(get_architecture(gguf.architecture)(gguf))
+
+
+def assert_logits_match(got: np.ndarray, want: np.ndarray):
+    assert got.shape == want.shape and got.dtype == np.float32
+    if want.size:
+        rel = float(np.abs(got - want).max() / np.abs(want).max())
+        MEASURED["max_rel_diff"] = max(MEASURED["max_rel_diff"], rel)
+        assert rel <= REL_TOL, rel
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_measured():
+    yield
+    from conftest import REPORT
+
+    where = "GPU" if cuda_env.REAL_GPU else "simulator"
+    REPORT.append(f"CUDA backend vs CPU ({where}): largest logit difference "
+                  f"{MEASURED['max_rel_diff']:.2g} of the largest |logit| (tolerance {REL_TOL:g})")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_prefill_logits_match_cpu(model_files, name):
+    ids = np.random.default_rng(1).integers(0, TINY["n_vocab"], 3)
+    want = minillm.load(model_files[name]).logits(ids)
+    backend = cuda_backend(model_files[name])
+    got = backend.forward(ids, backend.new_cache(len(ids)), 0)
+    assert_logits_match(got, want)
+
+
+def test_decode_with_ring_and_sinks_matches_cpu(model_files, monkeypatch):
+    """Prefill 4 tokens, then 3 single-token steps in a 6-slot cache with 2 sink tokens: the
+    ring wraps (position 6 overwrites position 2). Only the last prefill logits come back.
+    The matrix products choose their kernels by batch size, as on a GPU (matrix-vector here)."""
+    monkeypatch.setattr(cuda_layers, "BATCHED", None)
+    path = model_files["llama-small-formats"]
+    ids = np.random.default_rng(2).integers(0, TINY["n_vocab"], 7)
+    cpu = minillm.load(path)
+    cpu_cache = cpu.new_cache(6, n_keep=2, batch_size=4)
+    backend = cuda_backend(path)
+    cache = backend.new_cache(6, n_keep=2, batch_size=4)
+    assert_logits_match(backend.forward(ids[:4], cache, 3), cpu.eval(ids[:4], cpu_cache, logits_from=3))
+    for i in range(4, 7):
+        assert_logits_match(backend.forward(ids[i:i + 1], cache, 0), cpu.eval(ids[i:i + 1], cpu_cache))
+    assert cache.wrapped and cache.n_past == cpu_cache.n_past == 7
+    np.testing.assert_array_equal(cache.device_kv_pos["global"].copy_to_host(), cpu_cache.groups["global"].kv_pos)
+
+
+def test_sliding_window_ring_truncate_and_copy_match_cpu(model_files):
+    """Gemma 3's local ring (window 2 + batch 2: 4 slots) wraps; then truncate rewinds an
+    unwrapped cache, and a deep copy (as beam search makes) evaluates on its own."""
+    path = model_files["gemma3-local-small-formats"]
+    ids = np.random.default_rng(3).integers(0, TINY["n_vocab"], 6)
+    cpu = minillm.load(path)
+    backend = cuda_backend(path)
+
+    cpu_cache, cache = cpu.new_cache(8, batch_size=2), backend.new_cache(8, batch_size=2)
+    assert cache.groups["local"].n_slots == 4
+    for i in range(0, 6, 2):
+        assert_logits_match(backend.forward(ids[i:i + 2], cache, 1), cpu.eval(ids[i:i + 2], cpu_cache, logits_from=1))
+    assert cache.wrapped
+    np.testing.assert_array_equal(cache.device_kv_pos["local"].copy_to_host(), cpu_cache.groups["local"].kv_pos)
+
+    cpu_cache, cache = cpu.new_cache(8), backend.new_cache(8)
+    backend.forward(ids[:3], cache, 3)
+    cpu.eval(ids[:3], cpu_cache, logits_from=3)
+    cache.truncate(1)
+    cpu_cache.truncate(1)
+    for name, group in cache.groups.items():  # (stale positions would be masked anyway)
+        np.testing.assert_array_equal(cache.device_kv_pos[name].copy_to_host(), group.kv_pos)
+    fork, cpu_fork = copy.deepcopy(cache), copy.deepcopy(cpu_cache)
+    assert_logits_match(backend.forward(ids[3:5], cache, 0), cpu.eval(ids[3:5], cpu_cache))
+    # the fork stores other tokens at the same positions; the cache then reads its own
+    assert_logits_match(backend.forward(ids[:2], fork, 0), cpu.eval(ids[:2], cpu_fork))
+    assert_logits_match(backend.forward(ids[5:], cache, 0), cpu.eval(ids[5:], cpu_cache))
+
+
+def test_cpu_path_does_not_import_numba_cuda(model_files):
+    code = ("import sys, minillm; minillm.load(sys.argv[1]).logits([1, 2]); "
+            "assert 'numba.cuda' not in sys.modules, 'numba.cuda was imported'")
+    proc = subprocess.run([sys.executable, "-c", code, str(model_files["llama-small-formats"])],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
