@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .kernels.cpu.ops import top_k_indices
+
 
 @dataclass
 class SamplingParams:
@@ -36,9 +38,10 @@ class Sampler:
         logits = self._penalize(logits, history)
         if p.temperature <= 0:
             return int(np.argmax(logits))
-        ids = np.arange(logits.shape[0])
         if 0 < p.top_k < logits.shape[0]:
-            ids = np.argpartition(-logits, p.top_k - 1)[:p.top_k]
+            ids = top_k_indices(logits, p.top_k)
+        else:
+            ids = np.arange(logits.shape[0])
         order = np.argsort(-logits[ids], kind="stable")
         ids = ids[order]
         values = logits[ids].astype(np.float64)

@@ -230,3 +230,13 @@ def test_beam_search_finds_a_sequence_at_least_as_likely_as_greedy():
     out = cli("generate", str(model_path("smollm2")), "-p", "The capital of France is", "-n", "8",
               "--beams", "4", "--json")
     assert out.returncode == 0 and json.loads(out.stdout)["tokens"] == tokens
+
+
+def test_top_k_indices_matches_a_full_sort():
+    from minillm.kernels.cpu.ops import top_k_indices
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal(5000).astype(np.float32)
+    for k in (1, 7, 40):
+        assert sorted(top_k_indices(x, k).tolist()) == sorted(np.argsort(-x)[:k].tolist())
+    assert sorted(top_k_indices(x[:5], 40).tolist()) == [0, 1, 2, 3, 4]
