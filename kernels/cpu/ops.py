@@ -191,6 +191,28 @@ def _mad_f16(acc, v, factor):
         acc[d] = f16_round_normal(acc[d] + v[d] * factor)
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def _attend_slots(qv, acc, state, first, last, pos, kcache, vcache, kv_pos, kvh, window, scale):
+    """Online softmax over the keys in slots [first, last), as ggml's flash attention steps."""
+    m, s_sum = state[0], state[1]
+    for slot in range(first, last):
+        p = kv_pos[slot]
+        if p < 0 or p > pos or (window > 0 and pos - p >= window):
+            continue
+        score = _dot(qv, kcache[slot, kvh]) * scale
+        if score > m:
+            ms = np.float32(math.exp(m - score)) if m > -np.inf else np.float32(0.0)
+            m = score
+            _scale_f16(acc, ms)
+            _mad_f16(acc, vcache[slot, kvh], np.float32(1.0))
+            s_sum = s_sum * ms + np.float32(1.0)
+        else:
+            vs = np.float32(math.exp(score - m))
+            _mad_f16(acc, vcache[slot, kvh], vs)
+            s_sum = s_sum + vs
+    state[0], state[1] = m, s_sum
+
+
 @nb.njit(**_PAR)
 def attention(q, q_pos, kcache, vcache, kv_pos, n_used, n_keep, ring_start, window, scale, n_heads, out):
     """Causal (optionally sliding-window) attention as ggml's CPU flash_attn_ext with F16 K/V.
@@ -213,25 +235,13 @@ def attention(q, q_pos, kcache, vcache, kv_pos, n_used, n_keep, ring_start, wind
         for d in range(D):
             qv[d] = f16_round(q[t, h * D + d])
         pos = q_pos[t]
-        m = np.float32(-np.inf)
-        s_sum = np.float32(0.0)
-        ring = n_used - n_keep
-        for i in range(n_used):
-            slot = i if i < n_keep else n_keep + (ring_start + i - n_keep) % ring
-            p = kv_pos[slot]
-            if p < 0 or p > pos or (window > 0 and pos - p >= window):
-                continue
-            score = _dot(qv, kcache[slot, kvh]) * scale
-            if score > m:
-                ms = np.float32(math.exp(m - score)) if m > -np.inf else np.float32(0.0)
-                m = score
-                _scale_f16(acc, ms)
-                _mad_f16(acc, vcache[slot, kvh], np.float32(1.0))
-                s_sum = s_sum * ms + np.float32(1.0)
-            else:
-                vs = np.float32(math.exp(score - m))
-                _mad_f16(acc, vcache[slot, kvh], vs)
-                s_sum = s_sum + vs
+        state = np.array([-np.inf, 0.0], np.float32)  # running max and sum of the softmax
+        ring_first = n_keep + ring_start
+        # chronological order without a modulo per key: sinks, then the ring's oldest part
+        _attend_slots(qv, acc, state, 0, n_keep, pos, kcache, vcache, kv_pos, kvh, window, scale)
+        _attend_slots(qv, acc, state, ring_first, n_used, pos, kcache, vcache, kv_pos, kvh, window, scale)
+        _attend_slots(qv, acc, state, n_keep, ring_first, pos, kcache, vcache, kv_pos, kvh, window, scale)
+        s_sum = state[1]
         inv = np.float32(1.0) / s_sum if s_sum > 0 else np.float32(0.0)
         for d in range(D):
             out[t, h * D + d] = acc[d] * inv
