@@ -8,7 +8,7 @@ The engine (and Numba) is imported on first use, so the CLI starts fast.
 """
 from .errors import GGUFError, MinillmError, ModelError
 
-__all__ = ["load", "Model", "MinillmError", "GGUFError", "ModelError"]
+__all__ = ["load", "Model", "quantize", "MinillmError", "GGUFError", "ModelError"]
 __version__ = "0.1.0"
 
 
@@ -17,4 +17,8 @@ def __getattr__(name):
         from . import model
 
         return getattr(model, name)
+    if name == "quantize":  # a callable package: minillm.quantize(IN, OUT, TYPE, ...)
+        import importlib
+
+        return importlib.import_module(".quantize", __name__)
     raise AttributeError(f"module 'minillm' has no attribute '{name}'")

@@ -518,3 +518,9 @@ def test_smollm2_q4_k_m_perplexity_matches_llama_cpp_for_its_file(smollm2_f16, t
     ppl = perplexity(minillm.load(out), (DATA / "ppl_text_dev.txt").read_text(), n_ctx=512).ppl
     REPORT.append(f"quantize smollm2 Q4_K_M: perplexity {ppl:.4f} (llama.cpp {reference} for its own file)")
     assert abs(ppl - reference) / reference < 0.01
+
+
+def test_library_api_is_minillm_quantize(model_f16, tmp_path):
+    summary = minillm.quantize(model_f16, tmp_path / "q8.gguf", "Q8_0")
+    assert (tmp_path / "q8.gguf").exists() and summary is not None
+    assert minillm.quantize.quantize is quantize

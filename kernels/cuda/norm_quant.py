@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from ..cpu.matmul import KIND_Q8_0, KIND_Q8_1, KIND_Q8_K  # plain constants: no CPU kernel is compiled
+from ..cpu.matmul import KIND_Q8_1, KIND_Q8_K  # plain constants: no CPU kernel is compiled
 from .device import MAX_THREADS, f16_round, pack4, pow2_threads, row_inv_rms
 from .registry import device, kernel
 
