@@ -12,7 +12,7 @@ import numpy as np
 
 from . import ops
 from .f16 import f16_round
-from .matmul import qmatmul_tiles, quantize_act
+from .matmul import KIND_Q8_K, qmatmul_lanes, qmatmul_tiles, quantize_act
 
 FLOAT_F32, FLOAT_F16, FLOAT_BF16 = 0, 1, 2
 _SPLIT_BF16 = np.float32(65537.0)  # 2^(24-8) + 1: keeps bfloat16's 8 significant bits
@@ -72,7 +72,15 @@ def _apply(w, x, act):
         _float_matmul(fweight, _round_to_format(x, float_format), out)
         return out
     q, d16, s16, n16, d32, s32, n32 = act
-    if group == 16:
+    if kind != KIND_Q8_K:
+        T = x.shape[0]
+        n4 = np.empty((T, x.shape[1] // 4), np.int32)
+        for t in range(T):
+            for c in range(x.shape[1] // 4):
+                o = t * x.shape[1] + 4 * c
+                n4[t, c] = np.int32(q[o]) + np.int32(q[o + 1]) + np.int32(q[o + 2]) + np.int32(q[o + 3])
+        qmatmul_lanes(data, scale, bias, offset, nibbles, q, d32, s32, n4, out)
+    elif group == 16:
         qmatmul_tiles(data, scale, bias, group, offset, nibbles, q, d16, s16, n16, out)
     else:
         qmatmul_tiles(data, scale, bias, group, offset, nibbles, q, d32, s32, n32, out)

@@ -22,7 +22,8 @@ import numba as nb
 import numpy as np
 
 from .f16 import f16_round
-from .vnni import R, tile_dot, tile_dot4, tile_dot4_nib, tile_dot_nib
+from .fma import fma
+from .vnni import R, tile_dot, tile_dot4, tile_dot4_nib, tile_dot_nib, tile_lanes
 
 KIND_Q8_0, KIND_Q8_1, KIND_Q8_K = 0, 1, 2
 KIND_IDS = {"q8_0": KIND_Q8_0, "q8_1": KIND_Q8_1, "q8_k": KIND_Q8_K}
@@ -141,6 +142,61 @@ def qmatmul_tiles(data, scale, bias, G, offset, nibbles, xq, xd, xs, xn, out):
             for tok in range(n_tok):
                 for r in range(min(R, N - n0)):
                     out[t0 + tok, n0 + r] = facc[tok * R + r]
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def qmatmul_lanes(data, scale, bias, offset, nibbles, xq, xd, xs, xn4, out):
+    """out (T, N) = x @ W.T for 32-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), in exactly the float
+    steps of ggml's x86 vec_dot: per block, dd = d_w * d_x, and 8 lanes (columns 4l..4l+3)
+    each acc[l] = fma(dd, float(lane integer sum), acc[l]); then hsum_float_8(acc), plus
+    summs = sum over blocks of fma(m_w, s_x) for formats with a min. xn4 (T, K/4): sums of
+    the activation codes per 4 columns (to remove the code offset per lane)."""
+    NT, nblk = scale.shape[0], scale.shape[1]
+    T, N = out.shape
+    K = nblk * 32
+    block_bytes = 16 * R if nibbles else 32 * R
+    has_min = bias.shape[1] > 0
+    for nt in nb.prange(NT):
+        lanes = np.empty(4 * 8 * R, np.int32)    # (token, lane, row) integer sums of one block
+        acc = np.empty((4, 8, R), np.float32)    # (token, lane, row)
+        summs = np.empty((4, R), np.float32)     # (token, row)
+        dd = np.empty(R, np.float32)
+        for t0 in range(0, T, 4):
+            n_tok = min(4, T - t0)
+            acc[:] = 0
+            summs[:] = 0
+            for b in range(nblk):
+                tile_lanes(data, (nt * nblk + b) * block_bytes, xq, t0 * K + b * 32, K,
+                           4 if n_tok == 4 else 1, nibbles, lanes)
+                if n_tok < 4:
+                    for tok in range(1, n_tok):
+                        tile_lanes(data, (nt * nblk + b) * block_bytes, xq, (t0 + tok) * K + b * 32, K,
+                                   1, nibbles, lanes[tok * 8 * R:])
+                for tok in range(n_tok):
+                    t = t0 + tok
+                    _block_lanes(acc[tok], summs[tok], lanes[tok * 8 * R:(tok + 1) * 8 * R], dd, scale[nt, b],
+                                 bias, nt, b, has_min, xd[t, b], xs[t, b], offset, xn4[t, 8 * b:8 * b + 8])
+            n0 = nt * R
+            for tok in range(n_tok):
+                for r in range(min(R, N - n0)):
+                    a = acc[tok]
+                    h = ((a[0, r] + a[4, r]) + (a[2, r] + a[6, r])) + ((a[1, r] + a[5, r]) + (a[3, r] + a[7, r]))
+                    out[t0 + tok, n0 + r] = h + summs[tok, r] if has_min else h
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _block_lanes(acc, summs, lanes, dd, sc, bias, nt, b, has_min, xd, xs, offset, xn4):
+    """One block into acc (8, R) and summs (R,), as ggml's vec_dot loop body."""
+    if has_min:
+        m = bias[nt, b]
+        for r in range(R):
+            summs[r] = fma(m[r], xs, summs[r])
+    for r in range(R):
+        dd[r] = sc[r] * xd
+    for l in range(8):
+        shift = np.int32(offset) * xn4[l]
+        for r in range(R):
+            acc[l, r] = fma(dd[r], np.float32(lanes[l * R + r] - shift), acc[l, r])
 
 
 @nb.njit(inline="always", cache=True, nogil=True, fastmath=True)

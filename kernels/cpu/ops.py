@@ -9,6 +9,7 @@ import numba as nb
 import numpy as np
 
 from .f16 import F16_MIN_NORMAL, f16_bits_of_normal, f16_round, f16_round_normal
+from .fma import fma
 from .unpack import F16_TO_F32
 
 _PAR = dict(parallel=True, cache=True, nogil=True)
@@ -81,13 +82,44 @@ def rope(x, n_heads, head_dim, n_dims, cos_t, sin_t, neox):
                     a, b = base + 2 * i, base + 2 * i + 1
                 c, s = cos_t[t, i], sin_t[t, i]
                 x0, x1 = x[t, a], x[t, b]
-                x[t, a] = x0 * c - x1 * s
-                x[t, b] = x0 * s + x1 * c
+                x[t, a] = fma(x0, c, -(x1 * s))  # as compiled: the first product fused
+                x[t, b] = fma(x0, s, x1 * c)
+
+
+# ggml_v_expf (AVX-512): exp(x) = 2^n * p(b), n = round(x / ln 2), b = x - n ln 2 (two parts)
+_EXP_ROUND = np.float32(float.fromhex("0x1.8p23"))  # adding it rounds to an integer
+_LOG2E = np.float32(float.fromhex("0x1.715476p+0"))
+_LN2_HI = np.float32(float.fromhex("0x1.62e4p-1"))
+_LN2_LO = np.float32(float.fromhex("0x1.7f7d1cp-20"))
+_EXP_C1 = np.float32(float.fromhex("0x1.ffffecp-1"))
+_EXP_C2 = np.float32(float.fromhex("0x1.fffdb6p-2"))
+_EXP_C3 = np.float32(float.fromhex("0x1.555e66p-3"))
+_EXP_C4 = np.float32(float.fromhex("0x1.573e2ep-5"))
+_EXP_C5 = np.float32(float.fromhex("0x1.0e4020p-7"))
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def v_expf(x):
+    """ggml_v_expf, one lane of the AVX-512 version (the vectorized exp of ggml's SiLU)."""
+    z = fma(x, _LOG2E, _EXP_ROUND)
+    n = z - _EXP_ROUND
+    b = fma(-n, _LN2_LO, fma(-n, _LN2_HI, x))
+    u = b * b
+    j = fma(fma(fma(_EXP_C5, b, _EXP_C4), u, fma(_EXP_C3, b, _EXP_C2)), u, fma(_EXP_C1, b, np.float32(1.0)))
+    if abs(n) > np.float32(192.0):
+        return np.float32(0.0) if n <= 0 else np.float32(np.inf)
+    return np.float32(math.ldexp(np.float64(j), int(n)))
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
 def _swiglu_row(gate, up, t, out):
-    for j in range(gate.shape[1]):
+    # ggml_vec_swiglu_f32: 16 at a time with ggml_v_expf, the rest with libm's expf
+    n = gate.shape[1]
+    n16 = n - n % 16
+    for j in range(n16):
+        g = gate[t, j]
+        out[t, j] = (g / (np.float32(1.0) + v_expf(np.float32(0.0) - g))) * up[t, j]
+    for j in range(n16, n):
         g = gate[t, j]
         out[t, j] = (g / (np.float32(1.0) + np.float32(math.exp(-g)))) * up[t, j]
 
@@ -110,8 +142,9 @@ def swiglu(gate, up, out):
 
 @nb.njit(inline="always", cache=True)
 def gelu_f32(x):
-    return np.float32(0.5) * x * (np.float32(1.0) + np.float32(
-        math.tanh(SQRT_2_OVER_PI * x * (np.float32(1.0) + GELU_COEF_A * x * x))))
+    # ggml_gelu_f32 as compiled (the compiler contracts 1 + (A*x)*x into an fma)
+    inner = (SQRT_2_OVER_PI * x) * fma(GELU_COEF_A * x, x, np.float32(1.0))
+    return (np.float32(0.5) * x) * (np.float32(1.0) + np.float32(math.tanh(inner)))
 
 
 @nb.njit(cache=True)
@@ -169,12 +202,25 @@ def store_kv(k, v, slots, n_kv_heads, head_dim, kcache, vcache):
                 vcache[s, h, d] = f16_round(v[t, h * head_dim + d])
 
 
-@nb.njit(cache=True, nogil=True, fastmath=True)
+@nb.njit(cache=True, nogil=True)
 def _dot(a, b):
-    total = np.float32(0.0)
-    for i in range(a.shape[0]):
-        total += a[i] * b[i]
-    return total
+    """ggml_vec_dot_f16 (AVX-512): 4 accumulators of 16 lanes over steps of 64, fma, then
+    sums (0+2), (1+3), those two, and _mm512_reduce_add_ps's halving tree; the rest in double."""
+    acc = np.zeros(64, np.float32)  # (4 accumulators, 16 lanes)
+    n64 = a.shape[0] - a.shape[0] % 64
+    for i in range(0, n64, 64):
+        for j in range(64):
+            acc[j] = fma(a[i + j], b[i + j], acc[j])
+    for j in range(16):
+        acc[j] = (acc[j] + acc[32 + j]) + (acc[16 + j] + acc[48 + j])
+    for j in range(8):
+        acc[j] = acc[j] + acc[8 + j]
+    for j in range(4):
+        acc[j] = acc[j] + acc[4 + j]
+    total = np.float64((acc[0] + acc[2]) + (acc[1] + acc[3]))
+    for i in range(n64, a.shape[0]):
+        total += np.float64(a[i] * b[i])
+    return np.float32(total)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -188,7 +234,7 @@ def _scale_f16(acc, factor):
 def _mad_f16(acc, v, factor):
     # ggml_vec_mad_f16: acc = f16(acc + v * factor)
     for d in range(acc.shape[0]):
-        acc[d] = f16_round_normal(acc[d] + v[d] * factor)
+        acc[d] = f16_round_normal(fma(v[d], factor, acc[d]))
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -205,7 +251,7 @@ def _attend_slots(qv, acc, state, first, last, pos, kcache, vcache, kv_pos, kvh,
             m = score
             _scale_f16(acc, ms)
             _mad_f16(acc, vcache[slot, kvh], np.float32(1.0))
-            s_sum = s_sum * ms + np.float32(1.0)
+            s_sum = fma(s_sum, ms, np.float32(1.0))
         else:
             vs = np.float32(math.exp(score - m))
             _mad_f16(acc, vcache[slot, kvh], vs)

@@ -116,6 +116,93 @@ def _make_vnni_intrinsic(nibbles: bool, n_tok: int):
 
 
 _vnni = {(nib, n): _make_vnni_intrinsic(nib, n) for nib in (False, True) for n in (1, 4)}
+
+def _make_lanes_intrinsic(nibbles: bool, n_tok: int):
+    """The integer dot products of one 32-column block, kept per lane as ggml's SIMD vec_dot
+    keeps them: lane l (0..7) sums columns 4l..4l+3 of the block. out[(tok * 8 + l) * 32 + r]
+    for the 32 rows r of the tile; w_off is the block's first byte, x_off its first column."""
+
+    @intrinsic
+    def tile_lanes(typingctx, w, w_off, x, x_off, x_stride, out):
+        sig = types.void(w, types.intp, x, types.intp, types.intp, out)
+
+        def codegen(context, builder, signature, args):
+            w_arr, w_off, x_arr, x_off, x_stride, out_arr = args
+            wp = _data_pointer(context, builder, signature.args[0], w_arr, w_off)
+            op = cgutils.create_struct_proxy(signature.args[5])(context, builder, value=out_arr).data
+            dpbusd = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_I32X16, [_I32X16, _I8X64, _I8X64]),
+                "llvm.x86.avx512.vpdpbusd.512")
+            zero = ir.Constant(_I32X16, None)
+            intp = w_off.type
+
+            def load_w(byte):
+                ptr = builder.bitcast(builder.gep(wp, [ir.Constant(intp, byte)]), _I8X64.as_pointer())
+                return builder.load(ptr, align=1)
+
+            weights = []  # weights[l] = (rows 0..15, rows 16..31) codes of lane l, one byte each
+            if nibbles:
+                low, four = ir.Constant(_I8X64, [15] * 64), ir.Constant(_I8X64, [4] * 64)
+                for p in range(4):
+                    halves = [load_w(128 * p + off) for off in (0, 64)]
+                    weights.append([builder.and_(h, low) for h in halves])
+                    weights.append([builder.lshr(h, four) for h in halves])
+            else:
+                for l in range(8):
+                    weights.append([load_w(128 * l + off) for off in (0, 64)])
+            for tok in range(n_tok):
+                xoff = builder.add(x_off, builder.mul(x_stride, ir.Constant(intp, tok)))
+                xp = _data_pointer(context, builder, signature.args[2], x_arr, xoff)
+                for l in range(8):
+                    x4 = builder.load(builder.bitcast(builder.gep(xp, [ir.Constant(intp, 4 * l)]),
+                                                      _I32.as_pointer()), align=1)
+                    xv = builder.insert_element(ir.Constant(_I32X16, None), x4, ir.Constant(_I32, 0))
+                    xv = builder.shuffle_vector(xv, ir.Constant(_I32X16, None), ir.Constant(_I32X16, [0] * 16))
+                    xv = builder.bitcast(xv, _I8X64)
+                    for half in range(2):
+                        res = builder.call(dpbusd, [zero, weights[l][half], xv])
+                        ptr = builder.gep(op, [ir.Constant(ir.IntType(64), (tok * 8 + l) * 32 + 16 * half)])
+                        builder.store(res, builder.bitcast(ptr, _I32X16.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile_lanes
+
+
+_lanes = {(nib, n): _make_lanes_intrinsic(nib, n) for nib in (False, True) for n in (1, 4)}
+_lanes_b1, _lanes_b4, _lanes_n1, _lanes_n4 = _lanes[False, 1], _lanes[False, 4], _lanes[True, 1], _lanes[True, 4]
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _tile_lanes_vnni(w, w_off, x, x_off, x_stride, n_tok, nibbles, out):
+    if nibbles:
+        if n_tok == 4:
+            _lanes_n4(w, w_off, x, x_off, x_stride, out)
+        else:
+            _lanes_n1(w, w_off, x, x_off, x_stride, out)
+    elif n_tok == 4:
+        _lanes_b4(w, w_off, x, x_off, x_stride, out)
+    else:
+        _lanes_b1(w, w_off, x, x_off, x_stride, out)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def tile_lanes_portable(w, w_off, x, x_off, x_stride, n_tok, nibbles, out):
+    for tok in range(n_tok):
+        xb = x_off + tok * x_stride
+        for l in range(8):
+            for r in range(R):
+                total = np.int32(0)
+                for j in range(4):
+                    if nibbles:
+                        byte = np.int32(w[w_off + (l // 2) * 4 * R + 4 * r + j])
+                        code = (byte >> 4) if l % 2 else (byte & 15)
+                    else:
+                        code = np.int32(w[w_off + l * 4 * R + 4 * r + j])
+                    total += code * np.int32(x[xb + 4 * l + j])
+                out[(tok * 8 + l) * R + r] = total
+
 _vnni_b1, _vnni_b4, _vnni_n1, _vnni_n4 = _vnni[False, 1], _vnni[False, 4], _vnni[True, 1], _vnni[True, 4]
 
 
@@ -186,3 +273,4 @@ tile_dot = _tile_dot_vnni_call if HAS_VNNI else tile_dot_portable
 tile_dot_nib = _tile_dot_vnni_nib_call if HAS_VNNI else tile_dot_nib_portable
 tile_dot4 = _tile_dot4_vnni_call if HAS_VNNI else tile_dot4_portable          # 4 tokens at once
 tile_dot4_nib = _tile_dot4_vnni_nib_call if HAS_VNNI else tile_dot4_nib_portable
+tile_lanes = _tile_lanes_vnni if HAS_VNNI else tile_lanes_portable  # per-lane sums of one block
