@@ -162,7 +162,7 @@ class CudaBackend:
         d_positions = pool.upload(positions)          # (T,) int64
         x = pool.upload(self.arch.embed(ids))         # (T, E) float32
         for il, weights in enumerate(self.layers):
-            x = self.layer(x, weights, d_positions, cache.device_kv(il, last),
+            x = self.layer(x, weights, d_positions, cache.device_kv(il, last), 0,
                            *self.arch.layer_args(il, self.rope))
             cuda_layers.recycle(keep=(x, d_positions, *cache.device_slots.values()))
         cache.commit(len(ids))

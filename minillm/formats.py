@@ -27,6 +27,7 @@ class Format:
     activation: str      # run-time activation quantization llama.cpp pairs with it
     quantized: bool = True
     nibble_offset: int | None = None  # codes fit 4 bits once shifted by this: stored two per byte
+    product: str = "lanes"  # how llama.cpp's x86 CPU backend sums its products (kernels/cpu/matmul.py)
 
     @property
     def bits_per_weight(self) -> float:
@@ -44,11 +45,11 @@ FORMATS = [
     Format("Q5_0", 6, 32, 22, 32, False, "q8_0"),
     Format("Q5_1", 7, 32, 24, 32, True, "q8_1"),
     Format("Q8_0", 8, 32, 34, 32, False, "q8_0"),
-    Format("Q2_K", 10, 256, 84, 16, True, "q8_k", nibble_offset=0),
-    Format("Q3_K", 11, 256, 110, 16, False, "q8_k", nibble_offset=4),
-    Format("Q4_K", 12, 256, 144, 32, True, "q8_k", nibble_offset=0),
-    Format("Q5_K", 13, 256, 176, 32, True, "q8_k"),
-    Format("Q6_K", 14, 256, 210, 16, False, "q8_k"),
+    Format("Q2_K", 10, 256, 84, 16, True, "q8_k", nibble_offset=0, product="groups"),
+    Format("Q3_K", 11, 256, 110, 16, False, "q8_k", nibble_offset=4, product="groups"),
+    Format("Q4_K", 12, 256, 144, 32, True, "q8_k", nibble_offset=0, product="q4_k"),
+    Format("Q5_K", 13, 256, 176, 32, True, "q8_k", product="groups"),
+    Format("Q6_K", 14, 256, 210, 16, False, "q8_k", product="q6_k"),
     Format("BF16", 30, 1, 2, 0, False, "bf16", quantized=False),
 ]
 

@@ -6,18 +6,20 @@ import numpy as np
 from .formats import Format
 from .kernels.cpu import layers
 from .kernels.cpu import matmul as mm
-from .kernels.cpu.unpack import dequantize, unpack
+from .kernels.cpu.unpack import dequantize, superblocks, unpack
 
 _FLOAT_FORMATS = {"F32": layers.FLOAT_F32, "F16": layers.FLOAT_F16, "BF16": layers.FLOAT_BF16}
 _NO_BYTES = np.zeros(0, np.uint8)
 _NO_SCALES = np.zeros((0, 0, mm.R), np.float32)
 _NO_FLOATS = np.zeros((0, 0), np.float32)
+_INTEGER_SCALES = ("q4_k", "q6_k")  # products computed from the format's own integer sub-scales
 
 
 class Matrix:
     """A weight matrix (n_rows outputs, n_cols inputs). `packed` is the uniform tuple the
     compiled layers take (see kernels/cpu/layers.py):
-    quantized formats -> int8 codes tiled for the VNNI kernel, with per-group scales/biases;
+    quantized formats -> int8 codes tiled for the VNNI kernel, with per-group scales/biases
+    (for Q4_K/Q6_K: the integer sub-block scales and mins, and super-block scales `sb`);
     F32/F16/BF16 -> a float32 (n_rows, n_cols) matrix."""
 
     def __init__(self, name: str, fmt: Format, raw: np.ndarray, n_rows: int, n_cols: int):
@@ -26,13 +28,22 @@ class Matrix:
         if fmt.quantized:
             tiles = mm.empty_tiles(n_rows, n_cols, n_cols // fmt.group, n_cols // fmt.group if fmt.has_bias else 0,
                                    fmt.nibble_offset)
+            integer_scales = fmt.product in _INTEGER_SCALES
+            sb = np.zeros(((n_rows + mm.R - 1) // mm.R, 2 * (n_cols // 256) if integer_scales else 0, mm.R),
+                          np.float32)
             for row0 in range(0, n_rows, mm.CHUNK_ROWS):  # a chunk at a time: no full transient copy
-                mm.fill_tiles(tiles, row0, *unpack(fmt, raw[row0:row0 + mm.CHUNK_ROWS], n_cols))
-            self.packed = (*tiles, _NO_FLOATS, n_rows, fmt.group, mm.KIND_IDS[fmt.activation], 0)
+                chunk = raw[row0:row0 + mm.CHUNK_ROWS]
+                q, scale, bias = unpack(fmt, chunk, n_cols)
+                if integer_scales:
+                    scale, bias, chunk_sb = superblocks(fmt, chunk, n_cols)
+                    mm.tile_floats(chunk_sb, row0, sb)
+                mm.fill_tiles(tiles, row0, q, scale, bias)
+            self.packed = (*tiles, _NO_FLOATS, n_rows, fmt.group, mm.KIND_IDS[fmt.activation], 0, sb,
+                           mm.PRODUCT_IDS[fmt.product])
         else:
             weight = np.ascontiguousarray(dequantize(fmt, raw, n_cols))
             self.packed = (_NO_BYTES, _NO_SCALES, _NO_SCALES, 0, False, weight, n_rows, 0, -1,
-                           _FLOAT_FORMATS[fmt.name])
+                           _FLOAT_FORMATS[fmt.name], _NO_SCALES, 0)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """(T, n_rows) = x (T, n_cols) @ W.T."""

@@ -11,8 +11,10 @@ import numba as nb
 import numpy as np
 
 from . import ops
+from .attention import attention
 from .f16 import f16_round
-from .matmul import KIND_Q8_K, qmatmul_lanes, qmatmul_tiles, quantize_act
+from .matmul import (PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, qmatmul_lanes, qmatmul_q4_k, qmatmul_q6_k,
+                     qmatmul_tiles, quantize_act)
 
 FLOAT_F32, FLOAT_F16, FLOAT_BF16 = 0, 1, 2
 _SPLIT_BF16 = np.float32(65537.0)  # 2^(24-8) + 1: keeps bfloat16's 8 significant bits
@@ -64,22 +66,32 @@ def _round_to_format(x, fmt):
 
 
 @nb.njit(**_SER)
+def _quad_sums(q, T, K):
+    """(T, K/4) sums of the activation codes of every 4 columns (one SIMD lane of ggml's)."""
+    n4 = np.empty((T, K // 4), np.int32)
+    for t in range(T):
+        for c in range(K // 4):
+            o = t * K + 4 * c
+            n4[t, c] = np.int32(q[o]) + np.int32(q[o + 1]) + np.int32(q[o + 2]) + np.int32(q[o + 3])
+    return n4
+
+
+@nb.njit(**_SER)
 def _apply(w, x, act):
     """out (T, N) = x @ W.T with act = quantize(x, W's kind) (unused for float weights)."""
-    data, scale, bias, offset, nibbles, fweight, n_rows, group, kind, float_format = w
-    out = np.empty((x.shape[0], n_rows), np.float32)
+    data, scale, bias, offset, nibbles, fweight, n_rows, group, kind, float_format, sb, product = w
+    T, K = x.shape
+    out = np.empty((T, n_rows), np.float32)
     if kind < 0:
         _float_matmul(fweight, _round_to_format(x, float_format), out)
         return out
     q, d16, s16, n16, d32, s32, n32 = act
-    if kind != KIND_Q8_K:
-        T = x.shape[0]
-        n4 = np.empty((T, x.shape[1] // 4), np.int32)
-        for t in range(T):
-            for c in range(x.shape[1] // 4):
-                o = t * x.shape[1] + 4 * c
-                n4[t, c] = np.int32(q[o]) + np.int32(q[o + 1]) + np.int32(q[o + 2]) + np.int32(q[o + 3])
-        qmatmul_lanes(data, scale, bias, offset, nibbles, q, d32, s32, n4, out)
+    if product == PRODUCT_LANES:
+        qmatmul_lanes(data, scale, bias, offset, nibbles, q, d32, s32, _quad_sums(q, T, K), out)
+    elif product == PRODUCT_Q4_K:
+        qmatmul_q4_k(data, scale, bias, sb, q, d32, n32, out)
+    elif product == PRODUCT_Q6_K:
+        qmatmul_q6_k(data, scale, sb, q, d32, _quad_sums(q, T, K), out)
     elif group == 16:
         qmatmul_tiles(data, scale, bias, group, offset, nibbles, q, d16, s16, n16, out)
     else:
@@ -125,7 +137,7 @@ def attend(q, k, v, positions, kcache, vcache, kv_pos, slots, n_used, n_keep, ri
     for i in range(slots.shape[0]):
         kv_pos[slots[i]] = positions[i]
     out = np.empty((q.shape[0], n_heads * head_dim), np.float32)
-    ops.attention(q, positions, kcache, vcache, kv_pos, n_used, n_keep, ring_start, window,
+    attention(q, positions, kcache, vcache, kv_pos, n_used, n_keep, ring_start, window,
                   scale, n_heads, out)
     return out
 

@@ -28,6 +28,10 @@ from .vnni import R, tile_dot, tile_dot4, tile_dot4_nib, tile_dot_nib, tile_lane
 KIND_Q8_0, KIND_Q8_1, KIND_Q8_K = 0, 1, 2
 KIND_IDS = {"q8_0": KIND_Q8_0, "q8_1": KIND_Q8_1, "q8_k": KIND_Q8_K}
 
+# How llama.cpp's x86 backend sums a format's products (Format.product); each has a kernel here
+PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, PRODUCT_GROUPS = 0, 1, 2, 3
+PRODUCT_IDS = {"lanes": PRODUCT_LANES, "q4_k": PRODUCT_Q4_K, "q6_k": PRODUCT_Q6_K, "groups": PRODUCT_GROUPS}
+
 _PAR = dict(parallel=True, cache=True, nogil=True, fastmath=True)
 
 
@@ -199,6 +203,106 @@ def _block_lanes(acc, summs, lanes, dd, sc, bias, nt, b, has_min, xd, xs, offset
             acc[l, r] = fma(dd[r], np.float32(lanes[l * R + r] - shift), acc[l, r])
 
 
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def qmatmul_q4_k(data, sc, mins, sb, xq, xd, xn32, out):
+    """out (T, N) = x @ W.T for Q4_K as llama.cpp's repacked q4_K_8x8 kernels compute it: rows
+    of the batch in whole groups of 4 go through the gemm kernel (one fma per pair of 32-wide
+    sub-blocks), the last T % 4 rows through the gemv kernel (one fma per super-block); the
+    integer sums sc * sum(q_w q_x) and mins * sum(q_x) are exact, out = acc - acc_min.
+    sc, mins (NT, K/32, R) integers; sb (NT, 2 K/256, R) each super-block's d, dmin."""
+    NT, n_sub = sc.shape[0], sc.shape[1]
+    T, N = out.shape
+    K = n_sub * 32
+    block_bytes = 16 * R
+    n_gemm = T - T % 4
+    for nt in nb.prange(NT):
+        isum = np.empty(4 * R, np.int32)      # (token, row) integer sums of one sub-block
+        ipart = np.zeros((4, R), np.int32)    # (token, row) sc-weighted sums not yet added
+        mpart = np.zeros((4, R), np.int32)
+        acc = np.empty((4, R), np.float32)
+        acc_min = np.empty((4, R), np.float32)
+        for t0 in range(0, T, 4):
+            n_tok = min(4, T - t0)
+            gemm = t0 < n_gemm
+            acc[:] = 0
+            acc_min[:] = 0
+            for j in range(n_sub):
+                start = (nt * n_sub + j) * block_bytes
+                if n_tok == 4:
+                    tile_dot4_nib(data, start, xq, t0 * K + j * 32, K, 8, isum)
+                else:
+                    for tok in range(n_tok):
+                        tile_dot_nib(data, start, xq, (t0 + tok) * K + j * 32, 8, isum[tok * R:])
+                last = (j % 2 == 1) if gemm else (j % 8 == 7)  # the kernel's fma comes after this sub-block
+                b = j // 8
+                for tok in range(n_tok):
+                    t = t0 + tok
+                    bx = xn32[t, j]
+                    for r in range(R):
+                        ipart[tok, r] += np.int32(sc[nt, j, r]) * isum[tok * R + r]
+                        mpart[tok, r] += np.int32(mins[nt, j, r]) * bx
+                    if last:
+                        da = xd[t, j]
+                        for r in range(R):
+                            acc[tok, r] = fma(np.float32(ipart[tok, r]), sb[nt, 2 * b, r] * da, acc[tok, r])
+                            acc_min[tok, r] = fma(np.float32(mpart[tok, r]), sb[nt, 2 * b + 1, r] * da,
+                                                  acc_min[tok, r])
+                            ipart[tok, r] = 0
+                            mpart[tok, r] = 0
+            n0 = nt * R
+            for tok in range(n_tok):
+                for r in range(min(R, N - n0)):
+                    out[t0 + tok, n0 + r] = acc[tok, r] - acc_min[tok, r]
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def qmatmul_q6_k(data, sc, sb, xq, xd, xn4, out):
+    """out (T, N) = x @ W.T for Q6_K as ggml_vec_dot_q6_K_q8_K (x86): 8 lanes, lane l summing
+    columns 4l..4l+3 of every 32-wide block, each 16-wide half times its int8 scale, exactly in
+    integers; per super-block acc[l] = fma(d_x * d_w, lane sum, acc[l]); then hsum_float_8.
+    Codes stored as q + 128; sc (NT, K/16, R) integers; sb (NT, 2 K/256, R) holds d."""
+    NT, n_half = sc.shape[0], sc.shape[1]
+    T, N = out.shape
+    K = n_half * 16
+    n_blk = K // 32
+    block_bytes = 32 * R
+    for nt in nb.prange(NT):
+        lanes = np.empty(4 * 8 * R, np.int32)  # (token, lane, row) integer sums of one block
+        isum = np.zeros((4, 8, R), np.int32)  # (token, lane, row) this super-block's sums
+        acc = np.empty((4, 8, R), np.float32)
+        for t0 in range(0, T, 4):
+            n_tok = min(4, T - t0)
+            acc[:] = 0
+            for blk in range(n_blk):
+                tile_lanes(data, (nt * n_blk + blk) * block_bytes, xq, t0 * K + blk * 32, K,
+                           4 if n_tok == 4 else 1, False, lanes)
+                if n_tok < 4:
+                    for tok in range(1, n_tok):
+                        tile_lanes(data, (nt * n_blk + blk) * block_bytes, xq, (t0 + tok) * K + blk * 32, K,
+                                   1, False, lanes[tok * 8 * R:])
+                for tok in range(n_tok):
+                    t = t0 + tok
+                    for l in range(8):
+                        shift = np.int32(128) * xn4[t, 8 * blk + l]
+                        scale = sc[nt, 2 * blk + l // 4]
+                        for r in range(R):
+                            isum[tok, l, r] += np.int32(scale[r]) * (lanes[(tok * 8 + l) * R + r] - shift)
+                if blk % 8 == 7:
+                    b = blk // 8
+                    for tok in range(n_tok):
+                        da = xd[t0 + tok, blk]
+                        for l in range(8):
+                            for r in range(R):
+                                acc[tok, l, r] = fma(da * sb[nt, 2 * b, r], np.float32(isum[tok, l, r]), acc[tok, l, r])
+                                isum[tok, l, r] = 0
+            n0 = nt * R
+            for tok in range(n_tok):
+                a = acc[tok]
+                for r in range(min(R, N - n0)):
+                    out[t0 + tok, n0 + r] = (((a[0, r] + a[4, r]) + (a[2, r] + a[6, r]))
+                                             + ((a[1, r] + a[5, r]) + (a[3, r] + a[7, r])))
+
 @nb.njit(inline="always", cache=True, nogil=True, fastmath=True)
 def _accumulate_group(facc, iacc, sc, bias, nt, g, shift, sd, ss):
     """facc (R,) += scale * d_x * (isum - offset * sum(x)) (+ bias * s_x) for one group."""
@@ -258,3 +362,12 @@ def fill_tiles(tiles, row0: int, q: np.ndarray, scale: np.ndarray, bias: np.ndar
     """Write rows row0.. (row0 a multiple of R) into tiles made by empty_tiles."""
     data, scale_t, bias_t, offset, nibbles = tiles
     _tile_rows(q, scale, bias, offset, nibbles, row0 // R, data, scale_t, bias_t)
+
+
+def tile_floats(a: np.ndarray, row0: int, out: np.ndarray) -> None:
+    """Rows row0.. of a per-row table a (n, C) into out (NT, C, R): out[nt, c, r] = a[nt*R + r, c]."""
+    n, C = a.shape
+    padded = np.zeros(((n + R - 1) // R * R, C), np.float32)
+    padded[:n] = a
+    nt0 = row0 // R
+    out[nt0:nt0 + padded.shape[0] // R] = padded.reshape(-1, R, C).transpose(0, 2, 1)

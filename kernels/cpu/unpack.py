@@ -207,6 +207,51 @@ def unpack_q6_k(raw, q, scale, bias):
                 q[r, b * 256 + e] = np.int8((lo | (hi << 4)) - 32)
 
 
+
+@nb.njit(**_JIT)
+def superblocks_q4_k(raw, sc, mins, sb):
+    """Q4_K's own scales, for ggml's integer-exact products: sc, mins (rows, K/32) the 6-bit
+    integers, sb (rows, 2 * K/256) each super-block's d and dmin."""
+    rows, nb_ = raw.shape[0], raw.shape[1] // 144
+    for r in nb.prange(rows):
+        for b in range(nb_):
+            o = b * 144
+            sb[r, 2 * b] = _f16(raw[r], o)
+            sb[r, 2 * b + 1] = _f16(raw[r], o + 2)
+            for j in range(8):
+                s, m = _scale_min_k4(raw, r, o + 4, j)
+                sc[r, b * 8 + j] = s
+                mins[r, b * 8 + j] = m
+
+
+@nb.njit(**_JIT)
+def superblocks_q6_k(raw, sc, mins, sb):
+    """Q6_K's own scales: sc (rows, K/16) the int8 scales, sb (rows, 2 * K/256) each super-block's
+    d (and 0); mins (rows, 0) unused."""
+    rows, nb_ = raw.shape[0], raw.shape[1] // 210
+    for r in nb.prange(rows):
+        for b in range(nb_):
+            o = b * 210
+            sb[r, 2 * b] = _f16(raw[r], o + 208)
+            sb[r, 2 * b + 1] = 0
+            for g in range(16):
+                v = np.int32(raw[r, o + 192 + g])
+                sc[r, b * 16 + g] = v - 256 * (v >> 7)
+
+
+SUPERBLOCKS = {"Q4_K": superblocks_q4_k, "Q6_K": superblocks_q6_k}
+
+
+def superblocks(fmt, raw: np.ndarray, n_cols: int):
+    """(sc, mins, sb) float32 for the formats whose products ggml computes from integer
+    sub-block scales (see SUPERBLOCKS)."""
+    rows = raw.shape[0]
+    sc = np.empty((rows, n_cols // fmt.group), np.float32)
+    mins = np.empty((rows, n_cols // fmt.group if fmt.has_bias else 0), np.float32)
+    sb = np.empty((rows, 2 * (n_cols // 256)), np.float32)
+    SUPERBLOCKS[fmt.name](raw, sc, mins, sb)
+    return sc, mins, sb
+
 UNPACKERS = {
     "Q4_0": unpack_q4_0, "Q4_1": unpack_q4_1, "Q5_0": unpack_q5_0, "Q5_1": unpack_q5_1,
     "Q8_0": unpack_q8_0, "Q2_K": unpack_q2_k, "Q3_K": unpack_q3_k, "Q4_K": unpack_q4_k,

@@ -176,13 +176,16 @@ class Transformer:
         positions = cache.reserve(len(ids))
         x = self.embed(ids)
         tables = self.rope_tables(positions)
+        # as llama.cpp, the last layer's feed-forward runs on the output rows only
+        out_from = min(logits_from, len(ids) - 1)
         for il, layer in enumerate(self.layers):
             kc, vc, group, slots = cache.layer(il)
             n_used, ring_start = group.scan_order(int(positions[-1]))
             kv = (kc, vc, group.kv_pos, slots, n_used, group.n_keep, ring_start)
-            x = self.layer_function(x, layer, positions, kv, *self.layer_args(il, tables))
+            x = self.layer_function(x, layer, positions, kv, out_from if il == len(self.layers) - 1 else 0,
+                                    *self.layer_args(il, tables))
         cache.commit(len(ids))
-        x = x[logits_from:]
+        x = x[logits_from - out_from:]
         if x.shape[0] == 0:
             return np.empty((0, self.hp.n_vocab), np.float32)
         xn = np.empty_like(x)

@@ -18,9 +18,10 @@ LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for Gemma 3
 ops = cpu_layers  # the backend operations the layer is written in (see llama.py)
 
 
-def gemma3_layer_ops(x, w, positions, kv, rope_table, window, eps, n_head, n_head_kv, head_dim, rope_dims,
-                     q_scale):
-    """x (T, E) -> (T, E); w: the layer's tensors in Gemma3.layer_order; window 0 = global."""
+def gemma3_layer_ops(x, w, positions, kv, out_from, rope_table, window, eps, n_head, n_head_kv, head_dim,
+                     rope_dims, q_scale):
+    """x (T, E) -> (T - out_from, E) (see llama_layer_ops); w: the layer's tensors in
+    Gemma3.layer_order; window 0 = global."""
     attn_norm, wq, wk, wv, wo, ffn_norm, wg, wu, wd, q_norm, k_norm, post_attn_norm, post_ffw_norm = w
     h = ops.norm(x, attn_norm, eps)
     q, k, v = ops.linear3(wq, wk, wv, h)
@@ -29,7 +30,7 @@ def gemma3_layer_ops(x, w, positions, kv, rope_table, window, eps, n_head, n_hea
     # llama.cpp scales Q after RoPE, before attention (kq_scale 1)
     attn = ops.rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, np.float32(1.0), n_head,
                            n_head_kv, head_dim, rope_dims, True)
-    x = ops.add(x, ops.norm(ops.linear(wo, attn), post_attn_norm, eps))
+    x = ops.add(x[out_from:], ops.norm(ops.linear(wo, attn), post_attn_norm, eps)[out_from:])
     h = ops.norm(x, ffn_norm, eps)
     gate, up = ops.linear2(wg, wu, h)
     return ops.add(x, ops.norm(ops.linear(wd, ops.geglu(gate, up)), post_ffw_norm, eps))

@@ -15,14 +15,16 @@ from .base import Transformer
 ops = cpu_layers
 
 
-def llama_layer_ops(x, w, positions, kv, rope_table, eps, n_head, n_head_kv, head_dim, rope_dims, attn_scale):
-    """x (T, E) -> (T, E); w: the layer's tensors in Llama.layer_order."""
+def llama_layer_ops(x, w, positions, kv, out_from, rope_table, eps, n_head, n_head_kv, head_dim, rope_dims,
+                    attn_scale):
+    """x (T, E) -> (T - out_from, E): rows from out_from on (llama.cpp computes the last layer's
+    feed-forward for the output rows only); w: the layer's tensors in Llama.layer_order."""
     attn_norm, wq, wk, wv, wo, ffn_norm, wg, wu, wd = w
     h = ops.norm(x, attn_norm, eps)
     q, k, v = ops.linear3(wq, wk, wv, h)
     attn = ops.rope_attend(q, k, v, positions, rope_table, kv, np.float32(1.0), 0, attn_scale, n_head,
                            n_head_kv, head_dim, rope_dims, False)
-    x = ops.add(x, ops.linear(wo, attn))
+    x = ops.add(x[out_from:], ops.linear(wo, attn)[out_from:])
     h = ops.norm(x, ffn_norm, eps)
     gate, up = ops.linear2(wg, wu, h)
     return ops.add(x, ops.linear(wd, ops.swiglu(gate, up)))

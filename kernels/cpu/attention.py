@@ -1,0 +1,261 @@
+"""Attention over the KV cache, computed the way ggml's CPU flash_attn_ext computes it with an
+F16 K/V cache. ggml takes one of three paths, and each rounds differently:
+
+    tiled      a batch of >= 64 query tokens: Q stays f32, scores and the V sum are f32, cells
+               are visited in tiles of 64 with one softmax maximum per tile, exp by ggml_v_expf
+    split      one query token over >= 512 cells: the cells are cut into n_threads equal runs,
+               each done as "one chunk", then the runs are merged
+    one chunk  everything else: Q rounded to f16, online softmax cell by cell, V summed in f16
+
+Cells are the cached tokens in chronological order (cell i holds the i-th oldest token kept);
+llama.cpp hands attention its cells padded to a multiple of KV_PAD, the empty ones masked.
+
+Shapes: q (T, H*D) float32; kcache/vcache (S, Hkv, D) holding f16-rounded values; kv_pos (S,)
+the logical position of each slot (-1: empty); order (n_used,) the slots in chronological order.
+A key at position p is visible from a query at position i when p <= i and, with a window w > 0,
+i - p < w.
+"""
+import math
+
+import numba as nb
+import numpy as np
+
+from .f16 import f16_round, f16_round_normal
+from .fma import fma
+from .ops import v_expf
+
+Q_TILE = 64           # query rows per tile, and the batch size from which ggml tiles
+KV_TILE = 64          # cells per tile
+SPLIT_MIN_CELLS = 512  # one query over at least this many cells: split across threads
+KV_PAD = 256          # llama.cpp's cells handed to attention: a multiple of this
+
+_PAR = dict(parallel=True, cache=True, nogil=True)
+_SER = dict(cache=True, nogil=True)
+
+
+@nb.njit(**_SER)
+def chronological_slots(n_used, n_keep, ring_start):
+    """(n_used,) slots from oldest to newest token: sinks [0, n_keep), then the ring from its
+    oldest slot n_keep + ring_start around to the newest."""
+    order = np.empty(n_used, np.int64)
+    ring = n_used - n_keep
+    for i in range(n_used):
+        order[i] = i if i < n_keep else n_keep + (ring_start + i - n_keep) % ring
+    return order
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _visible(p, pos, window):
+    return p >= 0 and p <= pos and (window == 0 or pos - p < window)
+
+
+@nb.njit(**_SER)
+def _dot_f16(a, b):
+    """ggml_vec_dot_f16 (AVX-512): 4 accumulators of 16 lanes over steps of 64 (fma), summed
+    (0+2)+(1+3), then _mm512_reduce_add_ps's halving tree; the rest in double."""
+    acc = np.zeros(64, np.float32)  # (4 accumulators, 16 lanes)
+    n64 = a.shape[0] - a.shape[0] % 64
+    for i in range(0, n64, 64):
+        for j in range(64):
+            acc[j] = fma(a[i + j], b[i + j], acc[j])
+    for j in range(16):
+        acc[j] = (acc[j] + acc[32 + j]) + (acc[16 + j] + acc[48 + j])
+    for j in range(8):
+        acc[j] = acc[j] + acc[8 + j]
+    for j in range(4):
+        acc[j] = acc[j] + acc[4 + j]
+    total = np.float64((acc[0] + acc[2]) + (acc[1] + acc[3]))
+    for i in range(n64, a.shape[0]):
+        total += np.float64(a[i] * b[i])
+    return np.float32(total)
+
+
+@nb.njit(**_SER)
+def _one_chunk(q16, first, last, pos, order, kcache, vcache, kv_pos, kvh, window, scale, acc):
+    """Online softmax over cells [first, last) as ggml's one_chunk: acc (D,) the f16-rounded,
+    unnormalized V sum; returns (running max M, softmax sum S)."""
+    m = np.float32(-np.inf)
+    s_sum = np.float32(0.0)
+    acc[:] = 0
+    for i in range(first, min(last, order.shape[0])):
+        slot = order[i]
+        if not _visible(kv_pos[slot], pos, window):
+            continue
+        score = _dot_f16(kcache[slot, kvh], q16) * scale
+        v = vcache[slot, kvh]
+        if score > m:
+            ms = np.float32(math.exp(m - score))
+            m = score
+            for d in range(acc.shape[0]):  # ggml_vec_scale_f16, then ggml_vec_mad_f16 with 1
+                acc[d] = f16_round(fma(v[d], np.float32(1.0), f16_round(acc[d] * ms)))
+            s_sum = fma(s_sum, ms, np.float32(1.0))
+        else:
+            vs = np.float32(math.exp(score - m))
+            for d in range(acc.shape[0]):
+                acc[d] = f16_round(fma(v[d], vs, acc[d]))
+            s_sum = s_sum + vs
+    return m, s_sum
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _query_f16(q, t, h, D):
+    q16 = np.empty(D, np.float32)
+    for d in range(D):
+        q16[d] = f16_round(q[t, h * D + d])
+    return q16
+
+
+@nb.njit(**_PAR)
+def _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scale, n_heads, out):
+    T = q.shape[0]
+    D = kcache.shape[2]
+    group = n_heads // kcache.shape[1]
+    for job in nb.prange(T * n_heads):
+        t, h = job // n_heads, job % n_heads
+        acc = np.empty(D, np.float32)
+        m, s_sum = _one_chunk(_query_f16(q, t, h, D), 0, n_cells, q_pos[t], order, kcache, vcache, kv_pos,
+                              h // group, window, scale, acc)
+        inv = np.float32(1.0) / s_sum if s_sum != 0 else np.float32(0.0)
+        for d in range(D):
+            out[t, h * D + d] = acc[d] * inv
+
+
+@nb.njit(**_PAR)
+def _attend_split(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scale, n_heads, n_parts, out):
+    """One query: cells cut into n_parts runs, each a one-chunk pass, merged in order as
+    ggml_flash_attn_ext_reduce_partials (the compiler fuses the first product of each sum)."""
+    D = kcache.shape[2]
+    group = n_heads // kcache.shape[1]
+    run = (n_cells + n_parts - 1) // n_parts
+    for h in nb.prange(n_heads):
+        q16 = _query_f16(q, 0, h, D)
+        acc = np.empty(D, np.float32)
+        total = np.zeros(D, np.float32)
+        m_all = np.float32(-np.inf)
+        s_all = np.float32(0.0)
+        for part in range(n_parts):
+            if part * run >= n_cells:
+                continue
+            m, s_sum = _one_chunk(q16, part * run, (part + 1) * run, q_pos[0], order, kcache, vcache, kv_pos,
+                                  h // group, window, scale, acc)
+            if s_sum == 0:
+                continue
+            m_new = max(m_all, m)
+            scale_old = np.float32(math.exp(m_all - m_new))
+            scale_new = np.float32(math.exp(m - m_new))
+            for d in range(D):
+                total[d] = fma(total[d], scale_old, acc[d] * scale_new)
+            s_all = fma(s_all, scale_old, s_sum * scale_new)
+            m_all = m_new
+        inv = np.float32(1.0) / s_all if s_all != 0 else np.float32(1.0)
+        for d in range(D):
+            out[0, h * D + d] = total[d] * inv
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _reduce16(x, at):
+    """_mm512_reduce_add_ps of x[at:at+16]: lanes i + i+8, then i + i+4, then (0+2) + (1+3)."""
+    a0 = (x[at] + x[at + 8]) + (x[at + 4] + x[at + 12])
+    a1 = (x[at + 1] + x[at + 9]) + (x[at + 5] + x[at + 13])
+    a2 = (x[at + 2] + x[at + 10]) + (x[at + 6] + x[at + 14])
+    a3 = (x[at + 3] + x[at + 11]) + (x[at + 7] + x[at + 15])
+    return (a0 + a2) + (a1 + a3)
+
+
+@nb.njit(**_PAR)
+def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scale, n_heads, out):
+    """ggml_compute_forward_flash_attn_ext_tiled: per head, 64 query rows against 64-cell tiles."""
+    T = q.shape[0]
+    D = kcache.shape[2]
+    group = n_heads // kcache.shape[1]
+    n_qt = (T + Q_TILE - 1) // Q_TILE
+    for job in nb.prange(n_heads * n_qt):
+        h, t0 = job // n_qt, (job % n_qt) * Q_TILE
+        kvh = h // group
+        rows = min(Q_TILE, T - t0)
+        vkq = np.zeros((Q_TILE, D), np.float32)      # unnormalized output rows
+        s_sum = np.zeros(Q_TILE, np.float32)
+        m = np.full(Q_TILE, -np.inf, np.float32)
+        kt = np.zeros((D, KV_TILE), np.float32)      # the tile's keys, transposed
+        vt = np.zeros((KV_TILE, D), np.float32)
+        kq = np.empty((Q_TILE, KV_TILE), np.float32)  # scores, then probabilities
+        seen = np.zeros((Q_TILE, KV_TILE), np.bool_)
+        for c0 in range(0, n_cells, KV_TILE):
+            any_seen = False
+            for tq in range(rows):
+                for tk in range(KV_TILE):
+                    i = c0 + tk
+                    seen[tq, tk] = i < order.shape[0] and _visible(kv_pos[order[i]], q_pos[t0 + tq], window)
+                    any_seen = any_seen or seen[tq, tk]
+            if not any_seen:
+                continue
+            for tk in range(KV_TILE):
+                i = c0 + tk
+                for d in range(D):
+                    kt[d, tk] = kcache[order[i], kvh, d] if i < order.shape[0] else np.float32(0.0)
+                    vt[tk, d] = vcache[order[i], kvh, d] if i < order.shape[0] else np.float32(0.0)
+            _tile_scores(q, t0, rows, h, kt, kq)
+            for tq in range(rows):
+                _tile_softmax(kq[tq], seen[tq], scale, tq, m, s_sum, vkq)
+            for tq in range(rows):
+                for tk in range(KV_TILE):
+                    p = kq[tq, tk]
+                    for d in range(D):
+                        vkq[tq, d] = fma(vt[tk, d], p, vkq[tq, d])
+        for tq in range(rows):
+            inv = np.float32(1.0) / s_sum[tq] if s_sum[tq] != 0 else np.float32(0.0)
+            for d in range(D):
+                out[t0 + tq, h * D + d] = vkq[tq, d] * inv
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _tile_scores(q, t0, rows, h, kt, kq):
+    """kq[tq, tk] = one fma chain over the head dimension (simd_gemm), Q in f32."""
+    D = kt.shape[0]
+    kq[:] = 0
+    for tq in range(rows):
+        for d in range(D):
+            qd = q[t0 + tq, h * D + d]
+            for tk in range(KV_TILE):
+                kq[tq, tk] = fma(kt[d, tk], qd, kq[tq, tk])
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _tile_softmax(row, seen, scale, tq, m, s_sum, vkq):
+    """Scale and mask one row of scores, update the row's max and sum; row becomes the
+    probabilities (0 where masked), vkq[tq] rescaled when the max grows."""
+    tile_max = np.float32(-np.inf)
+    for tk in range(KV_TILE):
+        row[tk] = row[tk] * scale if seen[tk] else np.float32(-np.inf)
+        tile_max = max(tile_max, row[tk])
+    if tile_max == -np.inf:
+        row[:] = 0
+        return
+    m_new = max(m[tq], tile_max)
+    if m_new > m[tq]:
+        ms = np.float32(math.exp(m[tq] - m_new))
+        for d in range(vkq.shape[1]):
+            vkq[tq, d] = vkq[tq, d] * ms
+        s_sum[tq] = s_sum[tq] * ms
+    m[tq] = m_new
+    for tk in range(KV_TILE):
+        row[tk] = v_expf(row[tk] - m_new)
+    total = 0.0  # ggml_vec_soft_max_f32: a double sum of 16-lane reductions
+    for at in range(0, KV_TILE, 16):
+        total += np.float64(_reduce16(row, at))
+    s_sum[tq] = np.float32(np.float64(s_sum[tq]) + total)
+
+
+@nb.njit(**_SER)
+def attention(q, q_pos, kcache, vcache, kv_pos, n_used, n_keep, ring_start, window, scale, n_heads, out):
+    """out (T, H*D): attention of q over the cache, by the path ggml would take."""
+    order = chronological_slots(n_used, n_keep, ring_start)
+    n_cells = min(kcache.shape[0], (n_used + KV_PAD - 1) // KV_PAD * KV_PAD)
+    T = q.shape[0]
+    if T >= Q_TILE:
+        _attend_tiled(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scale, n_heads, out)
+    elif T == 1 and n_cells >= SPLIT_MIN_CELLS:
+        _attend_split(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scale, n_heads,
+                      nb.get_num_threads(), out)
+    else:
+        _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scale, n_heads, out)
