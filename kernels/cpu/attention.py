@@ -23,6 +23,7 @@ import numpy as np
 from .f16 import f16_round, f16_round_normal
 from .fma import fma
 from .ops import v_expf
+from .simd import fma_product_rows, fma_scalar_rows
 
 Q_TILE = 64           # query rows per tile, and the batch size from which ggml tiles
 KV_TILE = 64          # cells per tile
@@ -49,15 +50,16 @@ def _visible(p, pos, window):
     return p >= 0 and p <= pos and (window == 0 or pos - p < window)
 
 
-@nb.njit(**_SER)
-def _dot_f16(a, b):
-    """ggml_vec_dot_f16 (AVX-512): 4 accumulators of 16 lanes over steps of 64 (fma), summed
-    (0+2)+(1+3), then _mm512_reduce_add_ps's halving tree; the rest in double."""
-    acc = np.zeros(64, np.float32)  # (4 accumulators, 16 lanes)
+@nb.njit(inline="always", cache=True, nogil=True)
+def _dot_f16(a, b, acc):
+    """ggml_vec_dot_f16 (AVX-512): 4 accumulators of 16 lanes (acc, 64 scratch floats) over
+    steps of 64 (fma), summed (0+2)+(1+3), then _mm512_reduce_add_ps's halving tree; the rest
+    in double."""
+    acc[:] = 0
     n64 = a.shape[0] - a.shape[0] % 64
     for i in range(0, n64, 64):
-        for j in range(64):
-            acc[j] = fma(a[i + j], b[i + j], acc[j])
+        fma_product_rows(acc, 0, a, i, b, i)
+        fma_product_rows(acc, 32, a, i + 32, b, i + 32)
     for j in range(16):
         acc[j] = (acc[j] + acc[32 + j]) + (acc[16 + j] + acc[48 + j])
     for j in range(8):
@@ -77,11 +79,12 @@ def _one_chunk(q16, first, last, pos, order, kcache, vcache, kv_pos, kvh, window
     m = np.float32(-np.inf)
     s_sum = np.float32(0.0)
     acc[:] = 0
+    scratch = np.empty(64, np.float32)
     for i in range(first, min(last, order.shape[0])):
         slot = order[i]
         if not _visible(kv_pos[slot], pos, window):
             continue
-        score = _dot_f16(kcache[slot, kvh], q16) * scale
+        score = _dot_f16(kcache[slot, kvh], q16, scratch) * scale
         v = vcache[slot, kvh]
         if score > m:
             ms = np.float32(math.exp(m - score))
@@ -200,8 +203,14 @@ def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scal
             for tq in range(rows):
                 for tk in range(KV_TILE):
                     p = kq[tq, tk]
-                    for d in range(D):
-                        vkq[tq, d] = fma(vt[tk, d], p, vkq[tq, d])
+                    if p == 0:  # fma(v, 0, acc) leaves acc as it is
+                        continue
+                    if D % 32 == 0:
+                        for d in range(0, D, 32):
+                            fma_scalar_rows(vkq, tq * D + d, vt, tk * D + d, p)
+                    else:
+                        for d in range(D):
+                            vkq[tq, d] = fma(vt[tk, d], p, vkq[tq, d])
         for tq in range(rows):
             inv = np.float32(1.0) / s_sum[tq] if s_sum[tq] != 0 else np.float32(0.0)
             for d in range(D):
@@ -216,8 +225,8 @@ def _tile_scores(q, t0, rows, h, kt, kq):
     for tq in range(rows):
         for d in range(D):
             qd = q[t0 + tq, h * D + d]
-            for tk in range(KV_TILE):
-                kq[tq, tk] = fma(kt[d, tk], qd, kq[tq, tk])
+            for tk in range(0, KV_TILE, 32):
+                fma_scalar_rows(kq, tq * KV_TILE + tk, kt, d * KV_TILE + tk, qd)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

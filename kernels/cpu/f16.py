@@ -52,3 +52,14 @@ def f16_bits_of_normal(r):
     """The float16 bit pattern of r, a float32 that holds a normal float16 value exactly."""
     bits = _float32_bits(r)
     return ((bits >> 16) & 0x8000) | ((((bits >> 23) & 0xFF) - 112) << 10) | ((bits >> 13) & 0x3FF)
+
+
+@intrinsic
+def float32_from_bits(typingctx, bits):
+    """The float32 whose bits are the int32 `bits` (a bitcast)."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen

@@ -23,6 +23,7 @@ import numpy as np
 
 from .f16 import f16_round
 from .fma import fma
+from .simd import fma_int_rows, fma_scalar_rows
 from .vnni import R, tile_dot, tile_dot4, tile_dot4_nib, tile_dot_nib, tile_lanes
 
 KIND_Q8_0, KIND_Q8_1, KIND_Q8_K = 0, 1, 2
@@ -161,47 +162,38 @@ def qmatmul_lanes(data, scale, bias, offset, nibbles, xq, xd, xs, xn4, out):
     block_bytes = 16 * R if nibbles else 32 * R
     has_min = bias.shape[1] > 0
     for nt in nb.prange(NT):
-        lanes = np.empty(4 * 8 * R, np.int32)    # (token, lane, row) integer sums of one block
-        acc = np.empty((4, 8, R), np.float32)    # (token, lane, row)
-        summs = np.empty((4, R), np.float32)     # (token, row)
+        lanes = np.empty(4 * 8 * R, np.int32)  # (token, lane, row) integer sums of one block
+        acc = np.empty(4 * 8 * R, np.float32)  # (token, lane, row)
+        summs = np.empty(4 * R, np.float32)    # (token, row)
         dd = np.empty(R, np.float32)
         for t0 in range(0, T, 4):
             n_tok = min(4, T - t0)
             acc[:] = 0
             summs[:] = 0
             for b in range(nblk):
-                tile_lanes(data, (nt * nblk + b) * block_bytes, xq, t0 * K + b * 32, K,
-                           4 if n_tok == 4 else 1, nibbles, lanes)
-                if n_tok < 4:
-                    for tok in range(1, n_tok):
-                        tile_lanes(data, (nt * nblk + b) * block_bytes, xq, (t0 + tok) * K + b * 32, K,
-                                   1, nibbles, lanes[tok * 8 * R:])
+                start = (nt * nblk + b) * block_bytes
+                if n_tok == 4:
+                    tile_lanes(data, start, xq, t0 * K + b * 32, K, 4, nibbles, lanes)
+                else:
+                    for tok in range(n_tok):
+                        tile_lanes(data, start, xq, (t0 + tok) * K + b * 32, K, 1, nibbles, lanes[tok * 8 * R:])
                 for tok in range(n_tok):
                     t = t0 + tok
-                    _block_lanes(acc[tok], summs[tok], lanes[tok * 8 * R:(tok + 1) * 8 * R], dd, scale[nt, b],
-                                 bias, nt, b, has_min, xd[t, b], xs[t, b], offset, xn4[t, 8 * b:8 * b + 8])
+                    if has_min:
+                        fma_scalar_rows(summs, tok * R, bias, (nt * nblk + b) * R, xs[t, b])
+                    xdt = xd[t, b]
+                    for r in range(R):
+                        dd[r] = scale[nt, b, r] * xdt
+                    for l in range(8):
+                        at = (tok * 8 + l) * R
+                        fma_int_rows(acc, at, dd, 0, lanes, at, np.int32(offset) * xn4[t, 8 * b + l])
             n0 = nt * R
             for tok in range(n_tok):
+                a = tok * 8 * R
                 for r in range(min(R, N - n0)):
-                    a = acc[tok]
-                    h = ((a[0, r] + a[4, r]) + (a[2, r] + a[6, r])) + ((a[1, r] + a[5, r]) + (a[3, r] + a[7, r]))
-                    out[t0 + tok, n0 + r] = h + summs[tok, r] if has_min else h
-
-
-@nb.njit(inline="always", cache=True, nogil=True)
-def _block_lanes(acc, summs, lanes, dd, sc, bias, nt, b, has_min, xd, xs, offset, xn4):
-    """One block into acc (8, R) and summs (R,), as ggml's vec_dot loop body."""
-    if has_min:
-        m = bias[nt, b]
-        for r in range(R):
-            summs[r] = fma(m[r], xs, summs[r])
-    for r in range(R):
-        dd[r] = sc[r] * xd
-    for l in range(8):
-        shift = np.int32(offset) * xn4[l]
-        for r in range(R):
-            acc[l, r] = fma(dd[r], np.float32(lanes[l * R + r] - shift), acc[l, r])
-
+                    h = (((acc[a + r] + acc[a + 4 * R + r]) + (acc[a + 2 * R + r] + acc[a + 6 * R + r]))
+                         + ((acc[a + R + r] + acc[a + 5 * R + r]) + (acc[a + 3 * R + r] + acc[a + 7 * R + r])))
+                    out[t0 + tok, n0 + r] = h + summs[tok * R + r] if has_min else h
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)

@@ -8,7 +8,7 @@ import math
 import numba as nb
 import numpy as np
 
-from .f16 import F16_MIN_NORMAL, f16_bits_of_normal, f16_round, f16_round_normal
+from .f16 import F16_MIN_NORMAL, f16_bits_of_normal, f16_round, f16_round_normal, float32_from_bits
 from .fma import fma
 from .unpack import F16_TO_F32
 
@@ -108,6 +108,9 @@ def v_expf(x):
     j = fma(fma(fma(_EXP_C5, b, _EXP_C4), u, fma(_EXP_C3, b, _EXP_C2)), u, fma(_EXP_C1, b, np.float32(1.0)))
     if abs(n) > np.float32(192.0):
         return np.float32(0.0) if n <= 0 else np.float32(np.inf)
+    e = np.int32(n)
+    if e >= -126 and e <= 127:  # scalef(j, n): one exact multiply by the float 2^n
+        return j * float32_from_bits((e + np.int32(127)) << np.int32(23))
     return np.float32(math.ldexp(np.float64(j), int(n)))
 
 

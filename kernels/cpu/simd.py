@@ -1,0 +1,88 @@
+"""Row-vector steps of the exact products, written as LLVM vector code.
+
+Numba fully unrolls the 32-row loops of kernels/cpu/matmul.py and then cannot vectorize them
+(it cannot prove the arrays apart), leaving 32 scalar fma per step. These intrinsics do one
+step for the R = 32 rows of a tile in two 16-lane vectors, with the same single-rounding fma
+as ggml's SIMD code. Offsets count elements of each array's flat data."""
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+LANES = 16
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_F32X16 = ir.VectorType(_F32, LANES)
+_I32X16 = ir.VectorType(_I32, LANES)
+
+
+def _ptr(context, builder, array_type, array, offset, vector_type):
+    data = cgutils.create_struct_proxy(array_type)(context, builder, value=array).data
+    return builder.bitcast(builder.gep(data, [offset]), vector_type.as_pointer())
+
+
+def _splat(builder, value, vector_type):
+    v = builder.insert_element(ir.Constant(vector_type, None), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vector_type, None), ir.Constant(_I32X16, [0] * LANES))
+
+
+def _fma(builder, a, b, c):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X16, [_F32X16] * 3), "llvm.fma.v16f32")
+    return builder.call(fn, [a, b, c])
+
+
+@intrinsic
+def fma_int_rows(typingctx, acc, acc_off, scale, scale_off, ints, ints_off, shift):
+    """acc[i] = fma(scale[i], float(ints[i] - shift), acc[i]) for 32 consecutive i."""
+    sig = types.void(acc, types.intp, scale, types.intp, ints, types.intp, types.int32)
+
+    def codegen(context, builder, signature, args):
+        acc_a, acc_o, sc_a, sc_o, in_a, in_o, sh = args
+        shift = _splat(builder, sh, _I32X16)
+        for half in range(2):
+            step = ir.Constant(acc_o.type, LANES * half)
+            pa = _ptr(context, builder, signature.args[0], acc_a, builder.add(acc_o, step), _F32X16)
+            ps = _ptr(context, builder, signature.args[2], sc_a, builder.add(sc_o, step), _F32X16)
+            pi = _ptr(context, builder, signature.args[4], in_a, builder.add(in_o, step), _I32X16)
+            x = builder.sitofp(builder.sub(builder.load(pi, align=4), shift), _F32X16)
+            builder.store(_fma(builder, builder.load(ps, align=4), x, builder.load(pa, align=4)), pa, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def fma_scalar_rows(typingctx, acc, acc_off, w, w_off, s):
+    """acc[i] = fma(w[i], s, acc[i]) for 32 consecutive i."""
+    sig = types.void(acc, types.intp, w, types.intp, types.float32)
+
+    def codegen(context, builder, signature, args):
+        acc_a, acc_o, w_a, w_o, s = args
+        sv = _splat(builder, s, _F32X16)
+        for half in range(2):
+            step = ir.Constant(acc_o.type, LANES * half)
+            pa = _ptr(context, builder, signature.args[0], acc_a, builder.add(acc_o, step), _F32X16)
+            pw = _ptr(context, builder, signature.args[2], w_a, builder.add(w_o, step), _F32X16)
+            builder.store(_fma(builder, builder.load(pw, align=4), sv, builder.load(pa, align=4)), pa, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def fma_product_rows(typingctx, acc, acc_off, a, a_off, b, b_off):
+    """acc[i] = fma(a[i], b[i], acc[i]) for 32 consecutive i."""
+    sig = types.void(acc, types.intp, a, types.intp, b, types.intp)
+
+    def codegen(context, builder, signature, args):
+        acc_a, acc_o, a_a, a_o, b_a, b_o = args
+        for half in range(2):
+            step = ir.Constant(acc_o.type, LANES * half)
+            pacc = _ptr(context, builder, signature.args[0], acc_a, builder.add(acc_o, step), _F32X16)
+            pa = _ptr(context, builder, signature.args[2], a_a, builder.add(a_o, step), _F32X16)
+            pb = _ptr(context, builder, signature.args[4], b_a, builder.add(b_o, step), _F32X16)
+            builder.store(_fma(builder, builder.load(pa, align=4), builder.load(pb, align=4),
+                               builder.load(pacc, align=4)), pacc, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
