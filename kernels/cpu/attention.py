@@ -20,7 +20,7 @@ import math
 import numba as nb
 import numpy as np
 
-from .f16 import f16_round, f16_round_normal
+from .f16 import f16_round, f16_round_finite
 from .fma import fma
 from .ops import v_expf
 from .simd import fma_product_rows, fma_scalar_rows
@@ -90,14 +90,27 @@ def _one_chunk(q16, first, last, pos, order, kcache, vcache, kv_pos, kvh, window
             ms = np.float32(math.exp(m - score))
             m = score
             for d in range(acc.shape[0]):  # ggml_vec_scale_f16, then ggml_vec_mad_f16 with 1
-                acc[d] = f16_round(fma(v[d], np.float32(1.0), f16_round(acc[d] * ms)))
+                acc[d] = f16_round_finite(v[d] + f16_round_finite(acc[d] * ms))
             s_sum = fma(s_sum, ms, np.float32(1.0))
         else:
             vs = np.float32(math.exp(score - m))
-            for d in range(acc.shape[0]):
-                acc[d] = f16_round(fma(v[d], vs, acc[d]))
+            _mad_f16(acc, v, vs)
             s_sum = s_sum + vs
     return m, s_sum
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _mad_f16(acc, v, vs):
+    """ggml_vec_mad_f16: acc = f16(fma(v, vs, acc)), the sum kept in float16."""
+    D = acc.shape[0]
+    if D % 32 == 0:
+        for d in range(0, D, 32):
+            fma_scalar_rows(acc, d, v, d, vs)
+    else:
+        for d in range(D):
+            acc[d] = fma(v[d], vs, acc[d])
+    for d in range(D):
+        acc[d] = f16_round_finite(acc[d])
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

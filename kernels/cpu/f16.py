@@ -36,6 +36,19 @@ def f16_round_normal(x):
     return c - (c - x)
 
 
+_SUBNORMAL_SHIFT = np.float32(0.75)  # x + 0.75 - 0.75 rounds x to a multiple of 2^-24
+
+
+@nb.njit(inline="always", cache=True)
+def f16_round_finite(x):
+    """f16_round for values inside float16's range, normal or subnormal, without branches
+    (so that loops vectorize): both roundings computed, the right one selected."""
+    c = _SPLIT * x
+    normal = c - (c - x)
+    subnormal = (x + _SUBNORMAL_SHIFT) - _SUBNORMAL_SHIFT
+    return subnormal if abs(x) < _SUBNORMAL_LIMIT else normal
+
+
 @intrinsic
 def _float32_bits(typingctx, x):
     """The bits of a float32 as an int32 (a bitcast; Numba has no scalar view)."""
