@@ -92,9 +92,9 @@ def test_decoding_past_the_context_keeps_memory_flat(tmp_path):
 def test_greedy_generation_against_llama_cpp(model):
     m = loaded_model(model)
     identical, first_gaps = 0, []
-    rows = [r for r in golden_rows(model) if len(r["prompt_ids"]) < 300]
+    rows = golden_rows(model)
     for row in rows:
-        session = Session(m, n_ctx=1024)
+        session = Session(m, n_ctx=4096)
         tokens = [c.token for c in session.generate(row["prompt_ids"], len(row["steps"]),
                                                     SamplingParams(temperature=0)) if c.token is not None]
         theirs = [s["next"] for s in row["steps"]]
@@ -108,8 +108,11 @@ def test_greedy_generation_against_llama_cpp(model):
         first_gaps.append(top[theirs[i]] - top[tokens[i]])
     REPORT.append(f"{model}: greedy generation identical to llama.cpp for {identical}/{len(rows)} prompts; "
                   f"llama.cpp's logit gap at the first difference: {[round(g, 3) for g in first_gaps]}")
-    # every divergence starts at a near-tie (issue 4 asks for 0.1; we measure up to 0.26: noise)
-    assert all(g < 0.3 for g in first_gaps)
+    # SmolLM2 reproduces llama.cpp exactly; Gemma 3's rare departures start at near-ties
+    # (issue 4 asks for 0.1)
+    if model == "smollm2":
+        assert identical == len(rows)
+    assert all(g < 0.2 for g in first_gaps)
 
 
 @pytest.mark.slow

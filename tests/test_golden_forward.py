@@ -5,14 +5,22 @@ import pytest
 
 from conftest import REPORT, golden_rows, loaded_model
 
-# llama.cpp's arithmetic is chaotic under its own int8 activation quantization: perturbing
-# our embeddings by one part in 10^7 moves the top-10 logits by 0.13 (smollm2) to 0.25
-# (gemma3) on average, the same size as our distance to llama.cpp. Agreement above that
-# noise floor needs ggml's exact SIMD summation order: any change of float summation order
-# moves our figures by about a point (measured 96-98% on both models);
-# (issue 2 asks for 98%: not met yet). A real bug drops agreement far below these floors.
-MIN_AGREEMENT = {"smollm2": 0.94, "gemma3": 0.94}
+# llama.cpp's arithmetic is chaotic under its own int8 activation quantization: one float
+# rounding done differently moves the top-10 logits by 0.1-0.3. minillm reproduces ggml's
+# float steps (SIMD lanes, fma, reduction trees, flash-attention paths), so SmolLM2 matches
+# llama.cpp bit for bit; Gemma 3 still departs at rare steps (a cause not found yet).
+MIN_AGREEMENT = {"smollm2": 1.0, "gemma3": 0.95}
+MAX_MEAN_DIFF = {"smollm2": 1e-4, "gemma3": 0.3}
 
+
+def teacher_forced_logits(m, row):
+    """llama.cpp's protocol: the prompt in one batch, then each next token on its own."""
+    prompt = row["prompt_ids"]
+    cache = m.new_cache(len(prompt) + len(row["steps"]))
+    logits = [m.eval(prompt, cache, len(prompt) - 1)[-1]]
+    for step in row["steps"][:-1]:
+        logits.append(m.eval([step["next"]], cache)[-1])
+    return np.array(logits)
 
 
 @pytest.mark.slow
@@ -23,10 +31,8 @@ def test_teacher_forced_greedy_agreement(model):
     diffs = []
     longest = 0
     for row in golden_rows(model):
-        prompt = row["prompt_ids"]
-        ids = prompt + [s["next"] for s in row["steps"]][:-1]
-        longest = max(longest, len(ids))
-        logits = m.logits(ids, start=len(prompt) - 1)
+        longest = max(longest, len(row["prompt_ids"]) + len(row["steps"]))
+        logits = teacher_forced_logits(m, row)
         assert logits.shape == (len(row["steps"]), m.n_vocab)
         for i, step in enumerate(row["steps"]):
             agree += int(np.argmax(logits[i]) == step["next"])
@@ -34,6 +40,7 @@ def test_teacher_forced_greedy_agreement(model):
         steps += len(row["steps"])
     rate = agree / steps
     REPORT.append(f"{model}: greedy agreement {agree}/{steps} = {rate:.2%}, mean |logit diff| over "
-                  f"llama.cpp's top-10 {np.mean(diffs):.3f} (longest sequence {longest} tokens)")
+                  f"llama.cpp's top-10 {np.mean(diffs):.4f} (longest sequence {longest} tokens)")
     assert longest > 780  # long prompts, past gemma3's 512-token window, are part of it
     assert rate >= MIN_AGREEMENT[model]
+    assert np.mean(diffs) <= MAX_MEAN_DIFF[model]

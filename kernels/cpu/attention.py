@@ -8,7 +8,8 @@ F16 K/V cache. ggml takes one of three paths, and each rounds differently:
     one chunk  everything else: Q rounded to f16, online softmax cell by cell, V summed in f16
 
 Cells are the cached tokens in chronological order (cell i holds the i-th oldest token kept);
-llama.cpp hands attention its cells padded to a multiple of KV_PAD, the empty ones masked.
+llama.cpp hands attention its cells padded to a multiple of KV_PAD, the empty ones masked
+(a context of at least that many cells assumed, as llama.cpp's default 4096).
 
 Shapes: q (T, H*D) float32; kcache/vcache (S, Hkv, D) holding f16-rounded values; kv_pos (S,)
 the logical position of each slot (-1: empty); order (n_used,) the slots in chronological order.
@@ -272,7 +273,7 @@ def _tile_softmax(row, seen, scale, tq, m, s_sum, vkq):
 def attention(q, q_pos, kcache, vcache, kv_pos, n_used, n_keep, ring_start, window, scale, n_heads, out):
     """out (T, H*D): attention of q over the cache, by the path ggml would take."""
     order = chronological_slots(n_used, n_keep, ring_start)
-    n_cells = min(kcache.shape[0], (n_used + KV_PAD - 1) // KV_PAD * KV_PAD)
+    n_cells = (n_used + KV_PAD - 1) // KV_PAD * KV_PAD  # llama.cpp's view; the cells past n_used are empty
     T = q.shape[0]
     if T >= Q_TILE:
         _attend_tiled(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scale, n_heads, out)
