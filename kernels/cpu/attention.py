@@ -30,6 +30,9 @@ Q_TILE = 64           # query rows per tile, and the batch size from which ggml 
 KV_TILE = 64          # cells per tile
 SPLIT_MIN_CELLS = 512  # one query over at least this many cells: split across threads
 KV_PAD = 256          # llama.cpp's cells handed to attention: a multiple of this
+# the split path cuts the cells in one run per thread, as llama.cpp with as many threads as
+# cores (read once: calling nb.get_num_threads() here would keep Numba from caching the layers)
+SPLIT_PARTS = max(1, nb.config.NUMBA_NUM_THREADS)
 
 _PAR = dict(parallel=True, cache=True, nogil=True)
 _SER = dict(cache=True, nogil=True)
@@ -279,6 +282,6 @@ def attention(q, q_pos, kcache, vcache, kv_pos, n_used, n_keep, ring_start, wind
         _attend_tiled(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scale, n_heads, out)
     elif T == 1 and n_cells >= SPLIT_MIN_CELLS:
         _attend_split(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scale, n_heads,
-                      nb.get_num_threads(), out)
+                      SPLIT_PARTS, out)
     else:
         _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scale, n_heads, out)
