@@ -26,6 +26,7 @@ from minillm.formats import FORMATS, FORMATS_BY_NAME  # noqa: E402
 from minillm.kernels import cuda as gpu  # noqa: E402
 from minillm.kernels.cpu import matmul as cpu_mm  # noqa: E402
 from minillm.kernels.cpu import ops as cpu_ops  # noqa: E402
+from minillm.kernels.cpu.attention import attention as cpu_attention  # noqa: E402
 from minillm.kernels.cpu.unpack import dequantize, unpack  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -258,7 +259,7 @@ def test_attention_matches_cpu(window, n_keep, ring_start):
     kv_pos[:36] = rng.permutation(36)  # slots 36, 37 scanned but empty, 38.. unused
     q_pos = np.array([34, 35], np.int64)
     want = np.empty((T, H * D), np.float32)
-    cpu_ops.attention(q, q_pos, kc.astype(np.float32), vc.astype(np.float32), kv_pos, n_used, n_keep, ring_start,
+    cpu_attention(q, q_pos, kc.astype(np.float32), vc.astype(np.float32), kv_pos, n_used, n_keep, ring_start,
                       window, np.float32(scale), H, want)
 
     out = cuda.device_array((T, H * D), np.float32)

@@ -23,8 +23,19 @@ _SER = dict(cache=True, nogil=True)
 
 
 @nb.njit(**_SER)
+def _quad_sums(q, T, K):
+    """(T, K/4) sums of the activation codes of every 4 columns (one SIMD lane of ggml's)."""
+    n4 = np.empty((T, K // 4), np.int32)
+    for t in range(T):
+        for c in range(K // 4):
+            o = t * K + 4 * c
+            n4[t, c] = np.int32(q[o]) + np.int32(q[o + 1]) + np.int32(q[o + 2]) + np.int32(q[o + 3])
+    return n4
+
+
+@nb.njit(**_SER)
 def quantize(x, kind):
-    """x (T, K) -> (q (T*K,) int8, d16, s16, n16, d32, s32, n32) for activation kind."""
+    """x (T, K) -> (q (T*K,) int8, d16, s16, n16, d32, s32, n32, n4) for activation kind."""
     T, K = x.shape
     q = np.empty((T, K), np.int8)
     d16 = np.empty((T, K // 16), np.float32)
@@ -34,7 +45,8 @@ def quantize(x, kind):
     s32 = np.empty((T, K // 32), np.float32)
     n32 = np.empty((T, K // 32), np.int32)
     quantize_act(x, kind, q, d16, s16, n16, d32, s32, n32)
-    return q.reshape(T * K), d16, s16, n16, d32, s32, n32
+    flat = q.reshape(T * K)
+    return flat, d16, s16, n16, d32, s32, n32, _quad_sums(flat, T, K)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True, fastmath=True)
@@ -66,32 +78,21 @@ def _round_to_format(x, fmt):
 
 
 @nb.njit(**_SER)
-def _quad_sums(q, T, K):
-    """(T, K/4) sums of the activation codes of every 4 columns (one SIMD lane of ggml's)."""
-    n4 = np.empty((T, K // 4), np.int32)
-    for t in range(T):
-        for c in range(K // 4):
-            o = t * K + 4 * c
-            n4[t, c] = np.int32(q[o]) + np.int32(q[o + 1]) + np.int32(q[o + 2]) + np.int32(q[o + 3])
-    return n4
-
-
-@nb.njit(**_SER)
 def _apply(w, x, act):
     """out (T, N) = x @ W.T with act = quantize(x, W's kind) (unused for float weights)."""
     data, scale, bias, offset, nibbles, fweight, n_rows, group, kind, float_format, sb, product = w
-    T, K = x.shape
+    T = x.shape[0]
     out = np.empty((T, n_rows), np.float32)
     if kind < 0:
         _float_matmul(fweight, _round_to_format(x, float_format), out)
         return out
-    q, d16, s16, n16, d32, s32, n32 = act
+    q, d16, s16, n16, d32, s32, n32, n4 = act
     if product == PRODUCT_LANES:
-        qmatmul_lanes(data, scale, bias, offset, nibbles, q, d32, s32, _quad_sums(q, T, K), out)
+        qmatmul_lanes(data, scale, bias, offset, nibbles, q, d32, s32, n4, out)
     elif product == PRODUCT_Q4_K:
         qmatmul_q4_k(data, scale, bias, sb, q, d32, n32, out)
     elif product == PRODUCT_Q6_K:
-        qmatmul_q6_k(data, scale, sb, q, d32, _quad_sums(q, T, K), out)
+        qmatmul_q6_k(data, scale, sb, q, d32, n4, out)
     elif group == 16:
         qmatmul_tiles(data, scale, bias, group, offset, nibbles, q, d16, s16, n16, out)
     else:

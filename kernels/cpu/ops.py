@@ -1,4 +1,5 @@
-"""Element-wise and attention kernels, written to reproduce ggml's CPU arithmetic.
+"""Element-wise kernels (norms, RoPE, activations, the KV store), written to reproduce ggml's CPU
+arithmetic. Attention is in attention.py.
 
 Shapes: T tokens in the batch, E embedding width, H query heads, Hkv key/value heads,
 D head dimension, S cache slots.
@@ -8,7 +9,7 @@ import math
 import numba as nb
 import numpy as np
 
-from .f16 import F16_MIN_NORMAL, f16_bits_of_normal, f16_round, f16_round_normal, float32_from_bits
+from .f16 import F16_MIN_NORMAL, f16_bits_of_normal, f16_round, float32_from_bits
 from .fma import fma
 from .unpack import F16_TO_F32
 
@@ -203,97 +204,6 @@ def store_kv(k, v, slots, n_kv_heads, head_dim, kcache, vcache):
             for d in range(head_dim):
                 kcache[s, h, d] = f16_round(k[t, h * head_dim + d])
                 vcache[s, h, d] = f16_round(v[t, h * head_dim + d])
-
-
-@nb.njit(cache=True, nogil=True)
-def _dot(a, b):
-    """ggml_vec_dot_f16 (AVX-512): 4 accumulators of 16 lanes over steps of 64, fma, then
-    sums (0+2), (1+3), those two, and _mm512_reduce_add_ps's halving tree; the rest in double."""
-    acc = np.zeros(64, np.float32)  # (4 accumulators, 16 lanes)
-    n64 = a.shape[0] - a.shape[0] % 64
-    for i in range(0, n64, 64):
-        for j in range(64):
-            acc[j] = fma(a[i + j], b[i + j], acc[j])
-    for j in range(16):
-        acc[j] = (acc[j] + acc[32 + j]) + (acc[16 + j] + acc[48 + j])
-    for j in range(8):
-        acc[j] = acc[j] + acc[8 + j]
-    for j in range(4):
-        acc[j] = acc[j] + acc[4 + j]
-    total = np.float64((acc[0] + acc[2]) + (acc[1] + acc[3]))
-    for i in range(n64, a.shape[0]):
-        total += np.float64(a[i] * b[i])
-    return np.float32(total)
-
-
-@nb.njit(cache=True, nogil=True)
-def _scale_f16(acc, factor):
-    # ggml_vec_scale_f16: acc = f16(acc * factor); values stay in f16's normal range here
-    for d in range(acc.shape[0]):
-        acc[d] = f16_round_normal(acc[d] * factor)
-
-
-@nb.njit(cache=True, nogil=True)
-def _mad_f16(acc, v, factor):
-    # ggml_vec_mad_f16: acc = f16(acc + v * factor)
-    for d in range(acc.shape[0]):
-        acc[d] = f16_round_normal(fma(v[d], factor, acc[d]))
-
-
-@nb.njit(inline="always", cache=True, nogil=True)
-def _attend_slots(qv, acc, state, first, last, pos, kcache, vcache, kv_pos, kvh, window, scale):
-    """Online softmax over the keys in slots [first, last), as ggml's flash attention steps."""
-    m, s_sum = state[0], state[1]
-    for slot in range(first, last):
-        p = kv_pos[slot]
-        if p < 0 or p > pos or (window > 0 and pos - p >= window):
-            continue
-        score = _dot(qv, kcache[slot, kvh]) * scale
-        if score > m:
-            ms = np.float32(math.exp(m - score)) if m > -np.inf else np.float32(0.0)
-            m = score
-            _scale_f16(acc, ms)
-            _mad_f16(acc, vcache[slot, kvh], np.float32(1.0))
-            s_sum = fma(s_sum, ms, np.float32(1.0))
-        else:
-            vs = np.float32(math.exp(score - m))
-            _mad_f16(acc, vcache[slot, kvh], vs)
-            s_sum = s_sum + vs
-    state[0], state[1] = m, s_sum
-
-
-@nb.njit(**_PAR)
-def attention(q, q_pos, kcache, vcache, kv_pos, n_used, n_keep, ring_start, window, scale, n_heads, out):
-    """Causal (optionally sliding-window) attention as ggml's CPU flash_attn_ext with F16 K/V.
-
-    q (T, H*D) float32; kcache/vcache (S, Hkv, D) holding f16-rounded values; kv_pos (S,)
-    the logical position in each slot (-1: empty); window 0 means unlimited, else a key at
-    position p is visible from query position i when 0 <= i - p < window.
-    Q is rounded to f16, scores in f32, online softmax in f32, the V sum kept in f16.
-    Keys are visited in chronological order (the order matters to the f16 sums): slots
-    [0, n_keep) first, then the ring [n_keep, n_used) starting at slot n_keep + ring_start.
-    """
-    T = q.shape[0]
-    n_kv_heads, D = kcache.shape[1], kcache.shape[2]
-    group = n_heads // n_kv_heads
-    for job in nb.prange(T * n_heads):
-        t, h = job // n_heads, job % n_heads
-        kvh = h // group
-        qv = np.empty(D, np.float32)
-        acc = np.zeros(D, np.float32)
-        for d in range(D):
-            qv[d] = f16_round(q[t, h * D + d])
-        pos = q_pos[t]
-        state = np.array([-np.inf, 0.0], np.float32)  # running max and sum of the softmax
-        ring_first = n_keep + ring_start
-        # chronological order without a modulo per key: sinks, then the ring's oldest part
-        _attend_slots(qv, acc, state, 0, n_keep, pos, kcache, vcache, kv_pos, kvh, window, scale)
-        _attend_slots(qv, acc, state, ring_first, n_used, pos, kcache, vcache, kv_pos, kvh, window, scale)
-        _attend_slots(qv, acc, state, n_keep, ring_first, pos, kcache, vcache, kv_pos, kvh, window, scale)
-        s_sum = state[1]
-        inv = np.float32(1.0) / s_sum if s_sum > 0 else np.float32(0.0)
-        for d in range(D):
-            out[t, h * D + d] = acc[d] * inv
 
 
 @nb.njit(**_PAR)

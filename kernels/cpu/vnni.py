@@ -116,6 +116,8 @@ def _make_vnni_intrinsic(nibbles: bool, n_tok: int):
 
 
 _vnni = {(nib, n): _make_vnni_intrinsic(nib, n) for nib in (False, True) for n in (1, 4)}
+_vnni_b1, _vnni_b4, _vnni_n1, _vnni_n4 = _vnni[False, 1], _vnni[False, 4], _vnni[True, 1], _vnni[True, 4]
+
 
 def _make_lanes_intrinsic(nibbles: bool, n_tok: int):
     """The integer dot products of one 32-column block, kept per lane as ggml's SIMD vec_dot
@@ -203,7 +205,6 @@ def tile_lanes_portable(w, w_off, x, x_off, x_stride, n_tok, nibbles, out):
                     total += code * np.int32(x[xb + 4 * l + j])
                 out[(tok * 8 + l) * R + r] = total
 
-_vnni_b1, _vnni_b4, _vnni_n1, _vnni_n4 = _vnni[False, 1], _vnni[False, 4], _vnni[True, 1], _vnni[True, 4]
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
