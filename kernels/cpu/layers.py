@@ -92,7 +92,7 @@ def _apply(w, x, act):
     elif product == PRODUCT_Q4_K:
         qmatmul_q4_k(data, scale, bias, sb, q, d32, n32, out)
     elif product == PRODUCT_Q6_K:
-        qmatmul_q6_k(data, scale, sb, q, d32, n4, out)
+        qmatmul_q6_k(data, scale, sb, q, d32, n4, n16, out)
     elif group == 16:
         qmatmul_tiles(data, scale, bias, group, offset, nibbles, q, d16, s16, n16, out)
     else:

@@ -31,6 +31,9 @@ KIND_IDS = {"q8_0": KIND_Q8_0, "q8_1": KIND_Q8_1, "q8_k": KIND_Q8_K}
 
 # How llama.cpp's x86 backend sums a format's products (Format.product); each has a kernel here
 PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, PRODUCT_GROUPS = 0, 1, 2, 3
+# from this many activation rows on, llama.cpp multiplies non-repacked K-quants (Q6_K here) with
+# its "tiled" kernel instead of vec_dot
+TILED_MIN_ROWS = 8
 PRODUCT_IDS = {"lanes": PRODUCT_LANES, "q4_k": PRODUCT_Q4_K, "q6_k": PRODUCT_Q6_K, "groups": PRODUCT_GROUPS}
 
 _PAR = dict(parallel=True, cache=True, nogil=True, fastmath=True)
@@ -249,16 +252,23 @@ def qmatmul_q4_k(data, sc, mins, sb, xq, xd, xn32, out):
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def qmatmul_q6_k(data, sc, sb, xq, xd, xn4, out):
-    """out (T, N) = x @ W.T for Q6_K as ggml_vec_dot_q6_K_q8_K (x86): 8 lanes, lane l summing
-    columns 4l..4l+3 of every 32-wide block, each 16-wide half times its int8 scale, exactly in
-    integers; per super-block acc[l] = fma(d_x * d_w, lane sum, acc[l]); then hsum_float_8.
-    Codes stored as q + 128; sc (NT, K/16, R) integers; sb (NT, 2 K/256, R) holds d."""
+def qmatmul_q6_k(data, sc, sb, xq, xd, xn4, xn16, out):
+    """out (T, N) = x @ W.T for Q6_K the way llama.cpp's x86 backend computes it, all integer
+    sums exact:
+    - batches of fewer than TILED_MIN_ROWS rows: ggml_vec_dot_q6_K_q8_K (AVX2), 8 lanes, lane l
+      summing sc * q * q_x over columns 4l..4l+3 of every 32-wide block (q the unsigned code
+      0..63) less 32 * (the scale-weighted activation sums of columns 32l..32l+31); per
+      super-block acc[l] = fma(d_x * d_w, lane sum, acc[l]); then hsum_float_8;
+    - larger batches: ggml's "tiled" K-quant kernel, one integer sum S per super-block and
+      acc = fma(float(S) * d_w, d_x, acc).
+    Codes stored as q + 96 (= q - 32 + 128); sc (NT, K/16, R) integers; sb (NT, 2 K/256, R)
+    holds d; xn16 (T, K/16) the activation code sums of each 16 columns."""
     NT, n_half = sc.shape[0], sc.shape[1]
     T, N = out.shape
     K = n_half * 16
     n_blk = K // 32
     block_bytes = 32 * R
+    tiled = T >= TILED_MIN_ROWS
     for nt in nb.prange(NT):
         lanes = np.empty(4 * 8 * R, np.int32)  # (token, lane, row) integer sums of one block
         isum = np.zeros((4, 8, R), np.int32)  # (token, lane, row) this super-block's sums
@@ -276,24 +286,40 @@ def qmatmul_q6_k(data, sc, sb, xq, xd, xn4, out):
                 for tok in range(n_tok):
                     t = t0 + tok
                     for l in range(8):
-                        shift = np.int32(128) * xn4[t, 8 * blk + l]
+                        shift = np.int32(96) * xn4[t, 8 * blk + l]  # codes q + 96 -> q
                         scale = sc[nt, 2 * blk + l // 4]
                         for r in range(R):
                             isum[tok, l, r] += np.int32(scale[r]) * (lanes[(tok * 8 + l) * R + r] - shift)
                 if blk % 8 == 7:
                     b = blk // 8
                     for tok in range(n_tok):
-                        da = xd[t0 + tok, blk]
+                        t = t0 + tok
+                        da = xd[t, blk]
                         for l in range(8):
+                            g = 16 * b + 2 * l  # lane l's offset term: 16-groups g, g + 1
+                            s0, s1 = sc[nt, g], sc[nt, g + 1]
+                            x0, x1 = xn16[t, g], xn16[t, g + 1]
                             for r in range(R):
-                                acc[tok, l, r] = fma(da * sb[nt, 2 * b, r], np.float32(isum[tok, l, r]), acc[tok, l, r])
+                                isum[tok, l, r] -= 32 * (np.int32(s0[r]) * x0 + np.int32(s1[r]) * x1)
+                        for r in range(R):
+                            dw = sb[nt, 2 * b, r]
+                            if tiled:
+                                total = np.int32(0)
+                                for l in range(8):
+                                    total += isum[tok, l, r]
+                                acc[tok, 0, r] = fma(np.float32(total) * dw, da, acc[tok, 0, r])
+                            else:
+                                for l in range(8):
+                                    acc[tok, l, r] = fma(da * dw, np.float32(isum[tok, l, r]), acc[tok, l, r])
+                            for l in range(8):
                                 isum[tok, l, r] = 0
             n0 = nt * R
             for tok in range(n_tok):
                 a = acc[tok]
                 for r in range(min(R, N - n0)):
-                    out[t0 + tok, n0 + r] = (((a[0, r] + a[4, r]) + (a[2, r] + a[6, r]))
-                                             + ((a[1, r] + a[5, r]) + (a[3, r] + a[7, r])))
+                    out[t0 + tok, n0 + r] = a[0, r] if tiled else (((a[0, r] + a[4, r]) + (a[2, r] + a[6, r]))
+                                                                   + ((a[1, r] + a[5, r]) + (a[3, r] + a[7, r])))
+
 
 @nb.njit(inline="always", cache=True, nogil=True, fastmath=True)
 def _accumulate_group(facc, iacc, sc, bias, nt, g, shift, sd, ss):
