@@ -56,13 +56,11 @@ class CudaKVCache(KVCache):
             self.groups[name].kv_pos[self._slots[name]] = positions
         super().commit(n)
 
-    def device_kv(self, il: int, last_pos: int) -> tuple:
-        """The kv tuple of kernels/cuda/layers.py for layer il, after writing up to last_pos."""
+    def device_kv(self, il: int) -> tuple:
+        """The kv tuple of kernels/cuda/layers.py for layer il."""
         name = self.layer_groups[il]
         group = self.groups[name]
-        n_used, ring_start = group.scan_order(last_pos)
-        return (self.k[il], self.v[il], self.device_kv_pos[name], self.device_slots[name], n_used,
-                group.n_keep, ring_start)
+        return (self.k[il], self.v[il], self.device_kv_pos[name], self.device_slots[name], group.n_keep)
 
     def truncate(self, n: int) -> None:
         super().truncate(n)
@@ -158,11 +156,10 @@ class CudaBackend:
     def _forward(self, ids, cache, logits_from):
         pool = cuda_layers.POOL
         positions = cache.reserve(len(ids))
-        last = int(positions[-1])
         d_positions = pool.upload(positions)          # (T,) int64
         x = pool.upload(self.arch.embed(ids))         # (T, E) float32
         for il, weights in enumerate(self.layers):
-            x = self.layer(x, weights, d_positions, cache.device_kv(il, last), 0,
+            x = self.layer(x, weights, d_positions, cache.device_kv(il), 0,
                            *self.arch.layer_args(il, self.rope))
             cuda_layers.recycle(keep=(x, d_positions, *cache.device_slots.values()))
         cache.commit(len(ids))

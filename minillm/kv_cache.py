@@ -28,13 +28,6 @@ class CacheGroup:
         return np.where(positions < self.n_keep, positions,
                         self.n_keep + (positions - self.n_keep) % ring)
 
-    def scan_order(self, last_pos: int) -> tuple[int, int]:
-        """(n_used, ring_start) after writing up to position last_pos: slots [0, n_used) hold
-        every cached token, and the ring's oldest token is in slot n_keep + ring_start."""
-        if last_pos < self.n_slots:
-            return last_pos + 1, 0
-        return self.n_slots, (last_pos + 1 - self.n_keep) % (self.n_slots - self.n_keep)
-
 
 class KVCache:
     """Keys and values for every layer; `layer_groups[il]` names the group of layer il."""

@@ -7,12 +7,15 @@ F16 K/V cache. ggml takes one of three paths, and each rounds differently:
                each done as "one chunk", then the runs are merged
     one chunk  everything else: Q rounded to f16, online softmax cell by cell, V summed in f16
 
-Cells are the cached tokens in chronological order (cell i holds the i-th oldest token kept);
-llama.cpp hands attention its cells padded to a multiple of KV_PAD, the empty ones masked
-(a context of at least that many cells assumed, as llama.cpp's default 4096).
+Cells are positions: llama.cpp (its sliding-window cache as large as the context, its default)
+keeps position p in cell p and hands attention cells [0, n_cells), n_cells the positions so far
+padded to a multiple of KV_PAD, the empty ones masked; tiles and thread runs are cut by cell.
+Our rings keep fewer slots, so cell c is read from its slot (`_slot`) when the ring still holds
+it, and is masked otherwise (a forgotten position is outside any window that could see it).
 
 Shapes: q (T, H*D) float32; kcache/vcache (S, Hkv, D) holding f16-rounded values; kv_pos (S,)
-the logical position of each slot (-1: empty); order (n_used,) the slots in chronological order.
+the logical position of each slot (-1: empty); slots [0, n_keep) hold the first positions for
+good, the others a ring (minillm/kv_cache.py).
 A key at position p is visible from a query at position i when p <= i and, with a window w > 0,
 i - p < w.
 """
@@ -38,20 +41,22 @@ _PAR = dict(parallel=True, cache=True, nogil=True)
 _SER = dict(cache=True, nogil=True)
 
 
-@nb.njit(**_SER)
-def chronological_slots(n_used, n_keep, ring_start):
-    """(n_used,) slots from oldest to newest token: sinks [0, n_keep), then the ring from its
-    oldest slot n_keep + ring_start around to the newest."""
-    order = np.empty(n_used, np.int64)
-    ring = n_used - n_keep
-    for i in range(n_used):
-        order[i] = i if i < n_keep else n_keep + (ring_start + i - n_keep) % ring
-    return order
+@nb.njit(inline="always", cache=True, nogil=True)
+def _slot(cell, n_keep, n_slots):
+    """The slot that holds position `cell` (if the ring still has it)."""
+    return cell if cell < n_keep else n_keep + (cell - n_keep) % (n_slots - n_keep)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _visible(p, pos, window):
-    return p >= 0 and p <= pos and (window == 0 or pos - p < window)
+def _visible(cell, slot, kv_pos, pos, window):
+    """Whether a query at position pos sees the key of position `cell`, held in `slot`."""
+    return kv_pos[slot] == cell and cell <= pos and (window == 0 or pos - cell < window)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _first_cell(pos, window):
+    """No cell before this one is visible from positions >= pos."""
+    return max(0, pos - window + 1) if window > 0 else 0
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -77,16 +82,16 @@ def _dot_f16(a, b, acc):
 
 
 @nb.njit(**_SER)
-def _one_chunk(q16, first, last, pos, order, kcache, vcache, kv_pos, kvh, window, scale, acc):
+def _one_chunk(q16, first, last, pos, n_keep, kcache, vcache, kv_pos, kvh, window, scale, acc):
     """Online softmax over cells [first, last) as ggml's one_chunk: acc (D,) the f16-rounded,
     unnormalized V sum; returns (running max M, softmax sum S)."""
     m = np.float32(-np.inf)
     s_sum = np.float32(0.0)
     acc[:] = 0
     scratch = np.empty(64, np.float32)
-    for i in range(first, min(last, order.shape[0])):
-        slot = order[i]
-        if not _visible(kv_pos[slot], pos, window):
+    for cell in range(max(first, _first_cell(pos, window)), min(last, pos + 1)):
+        slot = _slot(cell, n_keep, kcache.shape[0])
+        if not _visible(cell, slot, kv_pos, pos, window):
             continue
         score = _dot_f16(kcache[slot, kvh], q16, scratch) * scale
         v = vcache[slot, kvh]
@@ -126,14 +131,14 @@ def _query_f16(q, t, h, D):
 
 
 @nb.njit(**_PAR)
-def _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scale, n_heads, out):
+def _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, out):
     T = q.shape[0]
     D = kcache.shape[2]
     group = n_heads // kcache.shape[1]
     for job in nb.prange(T * n_heads):
         t, h = job // n_heads, job % n_heads
         acc = np.empty(D, np.float32)
-        m, s_sum = _one_chunk(_query_f16(q, t, h, D), 0, n_cells, q_pos[t], order, kcache, vcache, kv_pos,
+        m, s_sum = _one_chunk(_query_f16(q, t, h, D), 0, n_cells, q_pos[t], n_keep, kcache, vcache, kv_pos,
                               h // group, window, scale, acc)
         inv = np.float32(1.0) / s_sum if s_sum != 0 else np.float32(0.0)
         for d in range(D):
@@ -141,7 +146,7 @@ def _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, 
 
 
 @nb.njit(**_PAR)
-def _attend_split(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scale, n_heads, n_parts, out):
+def _attend_split(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, n_parts, out):
     """One query: cells cut into n_parts runs, each a one-chunk pass, merged in order as
     ggml_flash_attn_ext_reduce_partials (the compiler fuses the first product of each sum)."""
     D = kcache.shape[2]
@@ -156,7 +161,7 @@ def _attend_split(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scal
         for part in range(n_parts):
             if part * run >= n_cells:
                 continue
-            m, s_sum = _one_chunk(q16, part * run, (part + 1) * run, q_pos[0], order, kcache, vcache, kv_pos,
+            m, s_sum = _one_chunk(q16, part * run, (part + 1) * run, q_pos[0], n_keep, kcache, vcache, kv_pos,
                                   h // group, window, scale, acc)
             if s_sum == 0:
                 continue
@@ -183,7 +188,7 @@ def _reduce16(x, at):
 
 
 @nb.njit(**_PAR)
-def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scale, n_heads, out):
+def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, out):
     """ggml_compute_forward_flash_attn_ext_tiled: per head, 64 query rows against 64-cell tiles."""
     T = q.shape[0]
     D = kcache.shape[2]
@@ -200,20 +205,24 @@ def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scal
         vt = np.zeros((KV_TILE, D), np.float32)
         kq = np.empty((Q_TILE, KV_TILE), np.float32)  # scores, then probabilities
         seen = np.zeros((Q_TILE, KV_TILE), np.bool_)
-        for c0 in range(0, n_cells, KV_TILE):
+        slots = np.empty(KV_TILE, np.int64)
+        # tiles wholly before the first visible cell or after the last query are masked: skipped
+        c_first = _first_cell(q_pos[t0], window) // KV_TILE * KV_TILE
+        for c0 in range(c_first, min(n_cells, q_pos[t0 + rows - 1] + 1), KV_TILE):
             any_seen = False
+            for tk in range(KV_TILE):
+                slots[tk] = _slot(c0 + tk, n_keep, kcache.shape[0])
             for tq in range(rows):
                 for tk in range(KV_TILE):
-                    i = c0 + tk
-                    seen[tq, tk] = i < order.shape[0] and _visible(kv_pos[order[i]], q_pos[t0 + tq], window)
+                    seen[tq, tk] = _visible(c0 + tk, slots[tk], kv_pos, q_pos[t0 + tq], window)
                     any_seen = any_seen or seen[tq, tk]
             if not any_seen:
                 continue
             for tk in range(KV_TILE):
-                i = c0 + tk
+                cached = kv_pos[slots[tk]] == c0 + tk
                 for d in range(D):
-                    kt[d, tk] = kcache[order[i], kvh, d] if i < order.shape[0] else np.float32(0.0)
-                    vt[tk, d] = vcache[order[i], kvh, d] if i < order.shape[0] else np.float32(0.0)
+                    kt[d, tk] = kcache[slots[tk], kvh, d] if cached else np.float32(0.0)
+                    vt[tk, d] = vcache[slots[tk], kvh, d] if cached else np.float32(0.0)
             _tile_scores(q, t0, rows, h, kt, kq)
             for tq in range(rows):
                 _tile_softmax(kq[tq], seen[tq], scale, tq, m, s_sum, vkq)
@@ -273,15 +282,15 @@ def _tile_softmax(row, seen, scale, tq, m, s_sum, vkq):
 
 
 @nb.njit(**_SER)
-def attention(q, q_pos, kcache, vcache, kv_pos, n_used, n_keep, ring_start, window, scale, n_heads, out):
-    """out (T, H*D): attention of q over the cache, by the path ggml would take."""
-    order = chronological_slots(n_used, n_keep, ring_start)
-    n_cells = (n_used + KV_PAD - 1) // KV_PAD * KV_PAD  # llama.cpp's view; the cells past n_used are empty
+def attention(q, q_pos, kcache, vcache, kv_pos, n_keep, window, scale, n_heads, out):
+    """out (T, H*D): attention of q (positions q_pos, ascending) over the cache, by the path
+    ggml would take."""
+    n_cells = (q_pos[-1] + KV_PAD) // KV_PAD * KV_PAD  # llama.cpp's cells: positions so far, padded
     T = q.shape[0]
     if T >= Q_TILE:
-        _attend_tiled(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scale, n_heads, out)
+        _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, out)
     elif T == 1 and n_cells >= SPLIT_MIN_CELLS:
-        _attend_split(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scale, n_heads,
+        _attend_split(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads,
                       SPLIT_PARTS, out)
     else:
-        _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, order, n_cells, window, scale, n_heads, out)
+        _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, out)

@@ -131,15 +131,14 @@ def norm(x, weight, eps):
 
 
 @nb.njit(**_SER)
-def attend(q, k, v, positions, kcache, vcache, kv_pos, slots, n_used, n_keep, ring_start, window,
-           scale, n_heads, n_kv_heads, head_dim):
+def attend(q, k, v, positions, kcache, vcache, kv_pos, slots, n_keep, window, scale, n_heads, n_kv_heads,
+           head_dim):
     """Store this batch's k/v at their slots, then attention of q over the cache."""
     ops.store_kv(k, v, slots, n_kv_heads, head_dim, kcache, vcache)
     for i in range(slots.shape[0]):
         kv_pos[slots[i]] = positions[i]
     out = np.empty((q.shape[0], n_heads * head_dim), np.float32)
-    attention(q, positions, kcache, vcache, kv_pos, n_used, n_keep, ring_start, window,
-                  scale, n_heads, out)
+    attention(q, positions, kcache, vcache, kv_pos, n_keep, window, scale, n_heads, out)
     return out
 
 
@@ -158,13 +157,13 @@ def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, n
                 head_dim, rope_dims, neox):
     """RoPE on q and k (cos/sin rope_table), q *= q_scale, store k/v in the cache, attention."""
     cos, sin = rope_table
-    kcache, vcache, kv_pos, slots, n_used, n_keep, ring_start = kv
+    kcache, vcache, kv_pos, slots, n_keep = kv
     ops.rope(q, n_heads, head_dim, rope_dims, cos, sin, neox)
     ops.rope(k, n_kv_heads, head_dim, rope_dims, cos, sin, neox)
     if q_scale != 1:
         q *= q_scale
-    return attend(q, k, v, positions, kcache, vcache, kv_pos, slots, n_used, n_keep, ring_start, window,
-                  kq_scale, n_heads, n_kv_heads, head_dim)
+    return attend(q, k, v, positions, kcache, vcache, kv_pos, slots, n_keep, window, kq_scale, n_heads,
+                  n_kv_heads, head_dim)
 
 
 @nb.njit(**_SER)

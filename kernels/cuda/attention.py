@@ -2,9 +2,8 @@
 
 Same arithmetic as minillm.kernels.cpu.ops.attention (ggml's CPU flash_attn_ext with F16 K/V):
 Q rounded to f16, f32 scores, online softmax in f32, the running V sum rounded to f16 after
-every update, keys visited in chronological order (slots [0, n_keep), then the ring
-[n_keep, n_used) from its oldest slot n_keep + ring_start), as the order matters to the f16
-sums. One thread block per (head, token); the keys are taken in chunks of blockDim.x:
+every update, keys visited in position order (as the CPU path: the order matters to the f16
+sums; position p sits in slot p below n_keep, else in the ring after it). One thread block per (head, token); the keys are taken in chunks of blockDim.x:
   1. each thread scores one key of the chunk (masked keys score -inf) into shared memory;
   2. each thread owns some of the D dimensions and replays the online softmax over the chunk's
      scores in order, so every thread keeps the same max and sum without further syncs.
@@ -22,22 +21,23 @@ from .registry import device, kernel
 MAX_HEAD_DIM = 512
 MAX_THREADS = 128
 
-_SIG = ("void(float32[:, ::1], int64[::1], float16[:, :, ::1], float16[:, :, ::1], int64[::1], int64, int64, "
-        "int64, int64, float32, float32[:, ::1])")
+_SIG = ("void(float32[:, ::1], int64[::1], float16[:, :, ::1], float16[:, :, ::1], int64[::1], int64, "
+        "int64, float32, float32[:, ::1])")
 
 
 @device
-def _slot_of(i, n_used, n_keep, ring_start):
-    """The slot of the i-th oldest cached key."""
-    if i < n_keep:
-        return i
-    return n_keep + (ring_start + i - n_keep) % (n_used - n_keep)
+def _slot(cell, n_keep, n_slots):
+    """The slot that holds position `cell` (if the ring still has it)."""
+    if cell < n_keep:
+        return cell
+    return n_keep + (cell - n_keep) % (n_slots - n_keep)
 
 
 @kernel(_SIG)
-def attention_kernel(q, q_pos, kcache, vcache, kv_pos, n_used, n_keep, ring_start, window, scale, out):
+def attention_kernel(q, q_pos, kcache, vcache, kv_pos, n_keep, window, scale, out):
     """q (T, H*D) float32, q_pos (T,); kcache/vcache (S, Hkv, D) float16; kv_pos (S,) the logical
-    position in each slot (-1: empty); slots [0, n_used) are scanned in the order above. window
+    position in each slot (-1: empty); positions [0, q_pos[t]] are scanned in order, each read
+from its slot when the ring still holds it. window
     0: unlimited, else a key at position p is visible from position i when 0 <= i - p < window.
     out (T, H*D).
     Grid (H, T), block (n,) with n <= MAX_THREADS."""
@@ -59,13 +59,15 @@ def attention_kernel(q, q_pos, kcache, vcache, kv_pos, n_used, n_keep, ring_star
     pos = q_pos[t]
     m = NEG_INF
     s_sum = np.float32(0.0)
-    for c0 in range(0, n_used, chunk):
+    first = max(0, pos - window + 1) if window > 0 else 0
+    n_slots = kcache.shape[0]
+    for c0 in range(first, pos + 1, chunk):
         score = NEG_INF
         slot = 0
-        if c0 + tid < n_used:
-            slot = _slot_of(c0 + tid, n_used, n_keep, ring_start)
-            p = kv_pos[slot]
-            if p >= 0 and p <= pos and (window <= 0 or pos - p < window):
+        cell = c0 + tid
+        if cell <= pos:
+            slot = _slot(cell, n_keep, n_slots)
+            if kv_pos[slot] == cell:
                 dot = np.float32(0.0)
                 for d in range(D):
                     dot += q_sh[d] * np.float32(kcache[slot, kvh, d])
@@ -73,7 +75,7 @@ def attention_kernel(q, q_pos, kcache, vcache, kv_pos, n_used, n_keep, ring_star
         score_sh[tid] = score
         slot_sh[tid] = slot
         cuda.syncthreads()
-        for i in range(min(chunk, n_used - c0)):
+        for i in range(min(chunk, pos + 1 - c0)):
             sc = score_sh[i]
             if sc == NEG_INF:
                 continue
@@ -96,14 +98,13 @@ def attention_kernel(q, q_pos, kcache, vcache, kv_pos, n_used, n_keep, ring_star
         out[t, h * D + d] = acc_sh[d] * inv
 
 
-def attention(q, q_pos, kcache, vcache, kv_pos, n_used: int, n_keep: int, ring_start: int, window: int,
-              scale: float, n_heads: int, out):
+def attention(q, q_pos, kcache, vcache, kv_pos, n_keep: int, window: int, scale: float, n_heads: int, out):
     """Launch attention_kernel (device arrays, shapes as in its doc)."""
     T = q.shape[0]
     D = kcache.shape[2]
     if D > MAX_HEAD_DIM or n_heads % kcache.shape[1]:
         raise ValueError(f"unsupported heads: {n_heads} query heads, {kcache.shape[1]} KV heads of {D}")
-    threads = pow2_threads(max(D, min(n_used, MAX_THREADS)), hi=MAX_THREADS)
-    attention_kernel[(n_heads, T), threads](q, q_pos, kcache, vcache, kv_pos, int(n_used), int(n_keep),
-                                            int(ring_start), int(window), np.float32(scale), out)
+    threads = pow2_threads(max(D, min(kcache.shape[0], MAX_THREADS)), hi=MAX_THREADS)
+    attention_kernel[(n_heads, T), threads](q, q_pos, kcache, vcache, kv_pos, int(n_keep), int(window),
+                                            np.float32(scale), out)
     return out

@@ -7,7 +7,7 @@ Same names, arguments and results as kernels/cpu/layers.py, over device arrays:
     positions         int64 (T,) device array
     rope_table        (freq_base, freq_scale): the CUDA RoPE kernel computes its own angles
     kv                (kcache, vcache (S, Hkv, D) float16, kv_pos (S,) int64, slots (T,) int64,
-                       n_used, n_keep, ring_start), as kernels/cpu/layers.py's
+                       n_keep), as kernels/cpu/layers.py's
 so that `Transformer.layer_with_ops(this module)` runs an architecture's layer on the GPU.
 
 Results are taken from POOL, device buffers reused from one layer to the next: the backend
@@ -159,12 +159,12 @@ def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, n
     products, and f16(q * s) * (dot scale) == f16(q) * (s * dot scale) exactly when s is a power
     of two (Gemma 3's 1/sqrt(256)); otherwise the two differ by one f16 rounding of q."""
     freq_base, freq_scale = rope_table
-    kcache, vcache, kv_pos, slots, n_used, n_keep, ring_start = kv
+    kcache, vcache, kv_pos, slots, n_keep = kv
     rope_store_kv(q, k, v, positions, slots, n_heads, rope_dims, freq_base, freq_scale, neox,
                   kcache, vcache, kv_pos)
     out = POOL.take((q.shape[0], n_heads * head_dim))
     scale = np.float32(np.float32(kq_scale) * np.float32(q_scale))
-    return attention(q, positions, kcache, vcache, kv_pos, n_used, n_keep, ring_start, window, scale,
+    return attention(q, positions, kcache, vcache, kv_pos, n_keep, window, scale,
                      n_heads, out)
 
 

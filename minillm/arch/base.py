@@ -180,8 +180,7 @@ class Transformer:
         out_from = min(logits_from, len(ids) - 1)
         for il, layer in enumerate(self.layers):
             kc, vc, group, slots = cache.layer(il)
-            n_used, ring_start = group.scan_order(int(positions[-1]))
-            kv = (kc, vc, group.kv_pos, slots, n_used, group.n_keep, ring_start)
+            kv = (kc, vc, group.kv_pos, slots, group.n_keep)  # the CPU layers' view of the cache
             x = self.layer_function(x, layer, positions, kv, out_from if il == len(self.layers) - 1 else 0,
                                     *self.layer_args(il, tables))
         cache.commit(len(ids))
