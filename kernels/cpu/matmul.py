@@ -24,7 +24,8 @@ import numpy as np
 from .f16 import f16_round
 from .fma import fma
 from .simd import fma_int_rows, fma_scalar_rows
-from .vnni import R, tile_dot, tile_dot4, tile_dot4_nib, tile_dot_nib, tile_lanes
+from .lanes_gemv import gemv_bytes, gemv_bytes_min, gemv_nibbles, gemv_nibbles_min
+from .vnni import HAS_VNNI, R, tile_dot, tile_dot4, tile_dot4_nib, tile_dot_nib, tile_lanes
 
 KIND_Q8_0, KIND_Q8_1, KIND_Q8_K = 0, 1, 2
 KIND_IDS = {"q8_0": KIND_Q8_0, "q8_1": KIND_Q8_1, "q8_k": KIND_Q8_K}
@@ -166,11 +167,17 @@ def qmatmul_lanes(data, scale, bias, offset, nibbles, xq, xd, xs, xn4, out):
     has_min = bias.shape[1] > 0
     for nt in nb.prange(NT):
         lanes = np.empty(4 * 8 * R, np.int32)  # (token, lane, row) integer sums of one block
-        acc = np.empty(4 * 8 * R, np.float32)  # (token, lane, row)
+        acc = np.empty(4 * 8 * R + R, np.float32)  # (token, lane, row); one token: + summs (row)
         summs = np.empty(4 * R, np.float32)    # (token, row)
         dd = np.empty(R, np.float32)
         for t0 in range(0, T, 4):
             n_tok = min(4, T - t0)
+            if n_tok < 4 and HAS_VNNI:  # one token at a time: the whole tile in registers
+                for t in range(t0, T):
+                    _lanes_gemv(data, nt * nblk * block_bytes, scale, bias, nt * nblk * R, xq, t * K, xd, xs, xn4,
+                                t * nblk, nblk, offset, nibbles, has_min, acc)
+                    _finish_lanes(acc, has_min, out, t, nt * R)
+                continue
             acc[:] = 0
             summs[:] = 0
             for b in range(nblk):
@@ -197,6 +204,30 @@ def qmatmul_lanes(data, scale, bias, offset, nibbles, xq, xd, xs, xn4, out):
                     h = (((acc[a + r] + acc[a + 4 * R + r]) + (acc[a + 2 * R + r] + acc[a + 6 * R + r]))
                          + ((acc[a + R + r] + acc[a + 5 * R + r]) + (acc[a + 3 * R + r] + acc[a + 7 * R + r])))
                     out[t0 + tok, n0 + r] = h + summs[tok * R + r] if has_min else h
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _lanes_gemv(data, w_off, scale, bias, sc_off, xq, x_off, xd, xs, xn4, b_off, nblk, offset, nibbles, has_min,
+                out):
+    """lanes_gemv's kernel for this format: out[:8R] the lane accumulators, out[8R:9R] summs."""
+    off = np.int32(offset)
+    if nibbles and has_min:
+        gemv_nibbles_min(data, w_off, scale, bias, sc_off, xq, x_off, xd, xs, xn4, b_off, nblk, off, out)
+    elif nibbles:
+        gemv_nibbles(data, w_off, scale, bias, sc_off, xq, x_off, xd, xs, xn4, b_off, nblk, off, out)
+    elif has_min:
+        gemv_bytes_min(data, w_off, scale, bias, sc_off, xq, x_off, xd, xs, xn4, b_off, nblk, off, out)
+    else:
+        gemv_bytes(data, w_off, scale, bias, sc_off, xq, x_off, xd, xs, xn4, b_off, nblk, off, out)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _finish_lanes(acc, has_min, out, t, n0):
+    """out[t, n0 + r] = hsum_float_8 of row r's 8 lane accumulators (+ summs)."""
+    for r in range(min(R, out.shape[1] - n0)):
+        h = (((acc[r] + acc[4 * R + r]) + (acc[2 * R + r] + acc[6 * R + r]))
+             + ((acc[R + r] + acc[5 * R + r]) + (acc[3 * R + r] + acc[7 * R + r])))
+        out[t, n0 + r] = h + acc[8 * R + r] if has_min else h
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
