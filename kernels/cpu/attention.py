@@ -27,7 +27,7 @@ import numpy as np
 from .f16 import f16_round, f16_round_finite
 from .fma import fma
 from .ops import v_expf
-from .simd import fma_product_rows, fma_scalar_rows
+from .simd import f16_mad_rows, f16_rescale_add_rows, fma_product_rows, fma_scalar_rows
 
 Q_TILE = 64           # query rows per tile, and the batch size from which ggml tiles
 KV_TILE = 64          # cells per tile
@@ -44,7 +44,9 @@ _SER = dict(cache=True, nogil=True)
 @nb.njit(inline="always", cache=True, nogil=True)
 def _slot(cell, n_keep, n_slots):
     """The slot that holds position `cell` (if the ring still has it)."""
-    return cell if cell < n_keep else n_keep + (cell - n_keep) % (n_slots - n_keep)
+    if cell < n_slots:  # the ring has not wrapped this far: no division
+        return cell
+    return n_keep + (cell - n_keep) % (n_slots - n_keep)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -98,8 +100,13 @@ def _one_chunk(q16, first, last, pos, n_keep, kcache, vcache, kv_pos, kvh, windo
         if score > m:
             ms = np.float32(math.exp(m - score))
             m = score
-            for d in range(acc.shape[0]):  # ggml_vec_scale_f16, then ggml_vec_mad_f16 with 1
-                acc[d] = f16_round_finite(v[d] + f16_round_finite(acc[d] * ms))
+            D = acc.shape[0]
+            if D % 32 == 0:  # ggml_vec_scale_f16, then ggml_vec_mad_f16 with 1
+                for d in range(0, D, 32):
+                    f16_rescale_add_rows(acc, d, v, d, ms)
+            else:
+                for d in range(D):
+                    acc[d] = f16_round_finite(v[d] + f16_round_finite(acc[d] * ms))
             s_sum = fma(s_sum, ms, np.float32(1.0))
         else:
             vs = np.float32(math.exp(score - m))
@@ -114,12 +121,10 @@ def _mad_f16(acc, v, vs):
     D = acc.shape[0]
     if D % 32 == 0:
         for d in range(0, D, 32):
-            fma_scalar_rows(acc, d, v, d, vs)
+            f16_mad_rows(acc, d, v, d, vs)
     else:
         for d in range(D):
-            acc[d] = fma(v[d], vs, acc[d])
-    for d in range(D):
-        acc[d] = f16_round_finite(acc[d])
+            acc[d] = f16_round_finite(fma(v[d], vs, acc[d]))
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

@@ -25,6 +25,7 @@ from .f16 import f16_round
 from .fma import fma
 from .simd import fma_int_rows, fma_scalar_rows
 from .lanes_gemv import gemv_bytes, gemv_bytes_min, gemv_nibbles, gemv_nibbles_min
+from .q6_k import tiled_q6_k_1, tiled_q6_k_4, vec_dot_q6_k
 from .vnni import HAS_VNNI, R, tile_dot, tile_dot4, tile_dot4_nib, tile_dot_nib, tile_lanes
 
 KIND_Q8_0, KIND_Q8_1, KIND_Q8_K = 0, 1, 2
@@ -301,6 +302,9 @@ def qmatmul_q6_k(data, sc, sb, xq, xd, xn4, xn16, out):
     block_bytes = 32 * R
     tiled = T >= TILED_MIN_ROWS
     for nt in nb.prange(NT):
+        if HAS_VNNI:
+            _q6_k_tile_vnni(data, sc, sb, xq, xd, xn4, xn16, nt, tiled, out)
+            continue
         lanes = np.empty(4 * 8 * R, np.int32)  # (token, lane, row) integer sums of one block
         isum = np.zeros((4, 8, R), np.int32)  # (token, lane, row) this super-block's sums
         acc = np.empty((4, 8, R), np.float32)
@@ -350,6 +354,37 @@ def qmatmul_q6_k(data, sc, sb, xq, xd, xn4, xn16, out):
                 for r in range(min(R, N - n0)):
                     out[t0 + tok, n0 + r] = a[0, r] if tiled else (((a[0, r] + a[4, r]) + (a[2, r] + a[6, r]))
                                                                    + ((a[1, r] + a[5, r]) + (a[3, r] + a[7, r])))
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _q6_k_tile_vnni(data, sc, sb, xq, xd, xn4, xn16, nt, tiled, out):
+    """qmatmul_q6_k's tile nt through the intrinsics of q6_k.py."""
+    T, N = out.shape
+    n_sb = sc.shape[1] // 16
+    K = n_sb * 256
+    w_off = nt * K * R
+    n0 = nt * R
+    n_rows = min(R, N - n0)
+    acc = np.empty(8 * R, np.float32)
+    t = 0
+    while t < T:
+        if tiled and T - t >= 4:
+            tiled_q6_k_4(data, w_off, sc, sb, nt, xq, t * K, xd, xn4, xn16, t, n_sb, acc)
+            for k in range(4):
+                for r in range(n_rows):
+                    out[t + k, n0 + r] = acc[k * R + r]
+            t += 4
+            continue
+        if tiled:
+            tiled_q6_k_1(data, w_off, sc, sb, nt, xq, t * K, xd, xn4, xn16, t, n_sb, acc)
+            for r in range(n_rows):
+                out[t, n0 + r] = acc[r]
+        else:
+            vec_dot_q6_k(data, w_off, sc, sb, nt, xq, t * K, xd, xn4, xn16, t, n_sb, acc)
+            for r in range(n_rows):
+                out[t, n0 + r] = (((acc[r] + acc[4 * R + r]) + (acc[2 * R + r] + acc[6 * R + r]))
+                                  + ((acc[R + r] + acc[5 * R + r]) + (acc[3 * R + r] + acc[7 * R + r])))
+        t += 1
 
 
 @nb.njit(inline="always", cache=True, nogil=True, fastmath=True)

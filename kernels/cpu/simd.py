@@ -86,3 +86,48 @@ def fma_product_rows(typingctx, acc, acc_off, a, a_off, b, b_off):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _f16_round(builder, x):
+    """float32 -> nearest float16 (ties to even, as vcvtps2ph) -> float32, 16 lanes."""
+    half = builder.fptrunc(x, ir.VectorType(ir.HalfType(), LANES))
+    return builder.fpext(half, _F32X16)
+
+
+@intrinsic
+def f16_mad_rows(typingctx, acc, acc_off, v, v_off, s):
+    """ggml_vec_mad_f16 on 32 consecutive values: acc[i] = f16(fma(v[i], s, acc[i]))."""
+    sig = types.void(acc, types.intp, v, types.intp, types.float32)
+
+    def codegen(context, builder, signature, args):
+        acc_a, acc_o, v_a, v_o, s = args
+        sv = _splat(builder, s, _F32X16)
+        for half in range(2):
+            step = ir.Constant(acc_o.type, LANES * half)
+            pa = _ptr(context, builder, signature.args[0], acc_a, builder.add(acc_o, step), _F32X16)
+            pv = _ptr(context, builder, signature.args[2], v_a, builder.add(v_o, step), _F32X16)
+            summed = _fma(builder, builder.load(pv, align=4), sv, builder.load(pa, align=4))
+            builder.store(_f16_round(builder, summed), pa, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def f16_rescale_add_rows(typingctx, acc, acc_off, v, v_off, ms):
+    """ggml_vec_scale_f16 then ggml_vec_mad_f16 with 1, on 32 consecutive values:
+    acc[i] = f16(v[i] + f16(acc[i] * ms))."""
+    sig = types.void(acc, types.intp, v, types.intp, types.float32)
+
+    def codegen(context, builder, signature, args):
+        acc_a, acc_o, v_a, v_o, ms = args
+        mv = _splat(builder, ms, _F32X16)
+        for half in range(2):
+            step = ir.Constant(acc_o.type, LANES * half)
+            pa = _ptr(context, builder, signature.args[0], acc_a, builder.add(acc_o, step), _F32X16)
+            pv = _ptr(context, builder, signature.args[2], v_a, builder.add(v_o, step), _F32X16)
+            scaled = _f16_round(builder, builder.fmul(builder.load(pa, align=4), mv))
+            builder.store(_f16_round(builder, builder.fadd(builder.load(pv, align=4), scaled)), pa, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
