@@ -173,8 +173,8 @@ def qmatmul_lanes(data, scale, bias, offset, nibbles, xq, xd, xs, xn4, out):
         dd = np.empty(R, np.float32)
         for t0 in range(0, T, 4):
             n_tok = min(4, T - t0)
-            if n_tok < 4 and HAS_VNNI:  # one token at a time: the whole tile in registers
-                for t in range(t0, T):
+            if HAS_VNNI:  # one token at a time, the whole tile in registers (its weights stay in L1)
+                for t in range(t0, t0 + n_tok):
                     _lanes_gemv(data, nt * nblk * block_bytes, scale, bias, nt * nblk * R, xq, t * K, xd, xs, xn4,
                                 t * nblk, nblk, offset, nibbles, has_min, acc)
                     _finish_lanes(acc, has_min, out, t, nt * R)
