@@ -75,16 +75,14 @@ def _make(nibbles: bool, has_min: bool):
                 acc.add_incoming(zero_f, entry)
             block_bytes = 16 * R if nibbles else 32 * R
             wb = builder.mul(b, c(block_bytes))
-            if nibbles:  # 128 bytes per pair of lanes: low nibbles lane 2p, high lane 2p + 1
-                low, four = ir.Constant(_I8X64, [15] * 64), ir.Constant(_I8X64, [4] * 64)
-                codes = []
-                for p in range(4):
-                    halves = [_load(builder, wp, builder.add(wb, c(128 * p + 64 * h)), _I8X64) for h in range(2)]
-                    codes.append([builder.and_(v, low) for v in halves])
-                    codes.append([builder.lshr(v, four) for v in halves])
-            else:
-                codes = [[_load(builder, wp, builder.add(wb, c(128 * lane + 64 * h)), _I8X64) for h in range(2)]
-                         for lane in range(8)]
+            low, four = ir.Constant(_I8X64, [15] * 64), ir.Constant(_I8X64, [4] * 64)
+
+            def codes(lane, h):  # the 16 rows' codes of lane l, half h (loaded where used)
+                if not nibbles:
+                    return _load(builder, wp, builder.add(wb, c(128 * lane + 64 * h)), _I8X64)
+                # 128 bytes per pair of lanes: low nibbles lane 2p, high nibbles lane 2p + 1
+                v = _load(builder, wp, builder.add(wb, c(128 * (lane // 2) + 64 * h)), _I8X64)
+                return builder.lshr(v, four) if lane % 2 else builder.and_(v, low)
             sb = builder.add(sc_o, builder.mul(b, c(R)))  # this block's R scales
             xb = builder.add(b_o, b)
             xdv = _splat(builder, builder.load(builder.gep(xdp, [xb])), _F32X16)
@@ -95,10 +93,10 @@ def _make(nibbles: bool, has_min: bool):
                                                   _I32.as_pointer()), align=1)
                 xv = builder.bitcast(_splat(builder, x4, _I32X16), _I8X64)
                 n4 = builder.load(builder.gep(xnp, [builder.add(builder.mul(xb, c(8)), c(lane))]))
-                shift = _splat(builder, builder.mul(offset, n4), _I32X16)
+                # the dot product starts from -offset * sum(x): lane - shift in one exact step
+                start = _splat(builder, builder.neg(builder.mul(offset, n4)), _I32X16)
                 for h in range(2):
-                    ints = builder.call(dpbusd, [ir.Constant(_I32X16, None), codes[lane][h], xv])
-                    f = builder.sitofp(builder.sub(ints, shift), _F32X16)
+                    f = builder.sitofp(builder.call(dpbusd, [start, codes(lane, h), xv]), _F32X16)
                     news.append(builder.call(fma, [dd[h], f, accs[2 * lane + h]]))
             if has_min:
                 xsv = _splat(builder, builder.load(builder.gep(xsp, [xb])), _F32X16)

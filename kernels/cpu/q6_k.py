@@ -121,11 +121,11 @@ def vec_dot_q6_k(typingctx, w, w_off, sc, sb, nt, x, x_off, xd, xn4, xn16, t, n_
             for lane in range(8):
                 xv = e.x4(_X, b.add(xb, c(4 * lane)))
                 n4 = e.scalar(_XN4, b.add(b.mul(args[_T], b.mul(n_blk, c(8))), b.add(b.mul(blk, c(8)), c(lane))))
-                shift = e.splat(b.mul(ir.Constant(_I32, 96), n4), _I32X16)
+                start = e.splat(b.mul(ir.Constant(_I32, -96), n4), _I32X16)  # codes q + 96 -> q
                 g = b.add(b.mul(args[_NT], n_half), b.add(b.mul(blk, c(2)), c(lane // 4)))
                 for h in range(2):
                     code = e.vec(_W, b.add(wb, c(128 * lane + 64 * h)), _I8X64)
-                    dot = b.sub(b.call(e.dpbusd, [zero_i, code, xv]), shift)
+                    dot = b.call(e.dpbusd, [start, code, xv])
                     scale = e.int_scales(_SC, b.add(b.mul(g, c(R)), c(16 * h)))
                     isum[2 * lane + h] = b.add(isum[2 * lane + h], b.mul(scale, dot))
         da = e.splat(e.scalar(_XD, b.add(b.mul(args[_T], n_blk), b.mul(s, c(8)))), _F32X16)
@@ -166,7 +166,10 @@ def _make_tiled(n_tok: int):
                 g = b.add(b.mul(s, c(16)), c(grp))
                 scales = [e.int_scales(_SC, b.add(b.mul(b.add(b.mul(args[_NT], n_half), g), c(R)), c(16 * h)))
                           for h in range(2)]
-                dots = [zero_i] * (2 * n_tok)
+                dots = []
+                for k in range(n_tok):  # each dot starts from -128 * sum(x): codes q + 96 -> q - 32
+                    n16 = e.scalar(_XN16, b.add(b.mul(b.add(args[_T], c(k)), n_half), g))
+                    dots += [e.splat(b.mul(ir.Constant(_I32, -128), n16), _I32X16)] * 2
                 for step in range(4):
                     col = b.add(b.mul(g, c(16)), c(4 * step))
                     codes = [e.vec(_W, b.add(args[_W_OFF], b.add(b.mul(col, c(R)), c(64 * h))), _I8X64)
@@ -176,10 +179,8 @@ def _make_tiled(n_tok: int):
                         for h in range(2):
                             dots[2 * k + h] = b.call(e.dpbusd, [dots[2 * k + h], codes[h], xv])
                 for k in range(n_tok):
-                    n16 = e.scalar(_XN16, b.add(b.mul(b.add(args[_T], c(k)), n_half), g))
-                    shift = e.splat(b.mul(ir.Constant(_I32, 128), n16), _I32X16)  # codes q + 96: q - 32 + 128
                     for h in range(2):
-                        isum[2 * k + h] = b.add(isum[2 * k + h], b.mul(scales[h], b.sub(dots[2 * k + h], shift)))
+                        isum[2 * k + h] = b.add(isum[2 * k + h], b.mul(scales[h], dots[2 * k + h]))
             new = []
             for k in range(n_tok):
                 da = e.splat(e.scalar(_XD, b.add(b.mul(b.add(args[_T], c(k)), b.mul(args[_N_SB], c(8))),
