@@ -13,8 +13,8 @@ import numpy as np
 from . import ops
 from .attention import attention
 from .f16 import f16_round
-from .matmul import (PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, qmatmul_lanes, qmatmul_q4_k, qmatmul_q6_k,
-                     qmatmul_tiles, quantize_act)
+from .matmul import (PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, qmatmul_lanes, qmatmul_lanes3, qmatmul_q4_k,
+                     qmatmul_q6_k, qmatmul_tiles, quantize_act)
 
 FLOAT_F32, FLOAT_F16, FLOAT_BF16 = 0, 1, 2
 _SPLIT_BF16 = np.float32(65537.0)  # 2^(24-8) + 1: keeps bfloat16's 8 significant bits
@@ -106,9 +106,33 @@ def linear(w, x):
     return _apply(w, x, quantize(x, max(w[8], 0)))
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def _lanes_together(w1, w2, w3):
+    """Whether the products can run as one qmatmul_lanes3: one 32-block format (so one code
+    offset and layout, and the same activations) for all (w3 may repeat w1 when there are two)."""
+    return (w1[11] == PRODUCT_LANES and w2[11] == PRODUCT_LANES and w3[11] == PRODUCT_LANES
+            and w1[8] == w2[8] and w1[8] == w3[8] and w1[8] >= 0 and w1[3] == w2[3] and w1[3] == w3[3]
+            and w1[4] == w2[4] and w1[4] == w3[4])
+
+
+@nb.njit(**_SER)
+def _lanes3(w1, w2, w3, n_mats, x):
+    """(x @ W1.T, x @ W2.T, x @ W3.T or None-like) in one parallel region (see _lanes_together)."""
+    q, d16, s16, n16, d32, s32, n32, n4 = quantize(x, w1[8])
+    T = x.shape[0]
+    o1, o2 = np.empty((T, w1[6]), np.float32), np.empty((T, w2[6]), np.float32)
+    o3 = np.empty((T, w3[6] if n_mats == 3 else 0), np.float32)
+    qmatmul_lanes3(w1[0], w1[1], w1[2], w2[0], w2[1], w2[2], w3[0], w3[1], w3[2], n_mats, w1[3], w1[4],
+                   q, d32, s32, n4, o1, o2, o3)
+    return o1, o2, o3
+
+
 @nb.njit(**_SER)
 def linear2(w1, w2, x):
     """(x @ W1.T, x @ W2.T), quantizing x once when both take the same activation kind."""
+    if _lanes_together(w1, w2, w1):
+        o1, o2, _ = _lanes3(w1, w2, w1, 2, x)
+        return o1, o2
     a1 = quantize(x, max(w1[8], 0))
     a2 = a1 if w2[8] == w1[8] else quantize(x, max(w2[8], 0))
     return _apply(w1, x, a1), _apply(w2, x, a2)
@@ -117,6 +141,8 @@ def linear2(w1, w2, x):
 @nb.njit(**_SER)
 def linear3(w1, w2, w3, x):
     """(x @ W1.T, x @ W2.T, x @ W3.T), quantizing x once per distinct activation kind."""
+    if _lanes_together(w1, w2, w3):
+        return _lanes3(w1, w2, w3, 3, x)
     a1 = quantize(x, max(w1[8], 0))
     a2 = a1 if w2[8] == w1[8] else quantize(x, max(w2[8], 0))
     a3 = a1 if w3[8] == w1[8] else (a2 if w3[8] == w2[8] else quantize(x, max(w3[8], 0)))
