@@ -25,6 +25,7 @@ from .f16 import f16_round
 from .fma import fma
 from .simd import fma_int_rows, fma_scalar_rows
 from .lanes_gemv import gemv_bytes, gemv_bytes_min, gemv_nibbles, gemv_nibbles_min
+from .q4_k import gemv_q4_k
 from .q6_k import tiled_q6_k_1, tiled_q6_k_4, vec_dot_q6_k
 from .vnni import HAS_VNNI, R, tile_dot, tile_dot4, tile_dot4_nib, tile_dot_nib, tile_lanes
 
@@ -271,9 +272,18 @@ def qmatmul_q4_k(data, sc, mins, sb, xq, xd, xn32, out):
         mpart = np.zeros((4, R), np.int32)
         acc = np.empty((4, R), np.float32)
         acc_min = np.empty((4, R), np.float32)
+        gemv_out = np.empty(R, np.float32)
         for t0 in range(0, T, 4):
             n_tok = min(4, T - t0)
             gemm = t0 < n_gemm
+            if not gemm and HAS_VNNI:  # the gemv rows: one LLVM loop a token (q4_k.py)
+                n0 = nt * R
+                for t in range(t0, T):
+                    gemv_q4_k(data, nt * n_sub * block_bytes, sc, mins, sb, nt, xq, t * K, xd, xn32, t,
+                              n_sub // 8, gemv_out)
+                    for r in range(min(R, N - n0)):
+                        out[t, n0 + r] = gemv_out[r]
+                continue
             acc[:] = 0
             acc_min[:] = 0
             for j in range(n_sub):
