@@ -26,8 +26,7 @@ import numpy as np
 
 from .f16 import f16_round, f16_round_finite
 from .fma import fma
-from .ops import v_expf
-from .simd import f16_mad_rows, f16_rescale_add_rows, fma_product_rows, fma_scalar_rows
+from .simd import f16_mad_rows, f16_rescale_add_rows, fma_product_rows, fma_scalar_rows, v_expf_rows
 
 Q_TILE = 64           # query rows per tile, and the batch size from which ggml tiles
 KV_TILE = 64          # cells per tile
@@ -210,24 +209,27 @@ def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, sca
         vt = np.zeros((KV_TILE, D), np.float32)
         kq = np.empty((Q_TILE, KV_TILE), np.float32)  # scores, then probabilities
         seen = np.zeros((Q_TILE, KV_TILE), np.bool_)
-        slots = np.empty(KV_TILE, np.int64)
+        slots = np.empty(KV_TILE, np.int64)         # the tile's cells' slots
+        cached = np.empty(KV_TILE, np.bool_)         # whether the ring still holds each cell
         # tiles wholly before the first visible cell or after the last query are masked: skipped
         c_first = _first_cell(q_pos[t0], window) // KV_TILE * KV_TILE
         for c0 in range(c_first, min(n_cells, q_pos[t0 + rows - 1] + 1), KV_TILE):
             any_seen = False
             for tk in range(KV_TILE):
                 slots[tk] = _slot(c0 + tk, n_keep, kcache.shape[0])
-            for tq in range(rows):
+                cached[tk] = kv_pos[slots[tk]] == c0 + tk
+            for tq in range(rows):  # _visible, with the cache lookups done once a tile
+                pos = q_pos[t0 + tq]
+                lo = _first_cell(pos, window)
                 for tk in range(KV_TILE):
-                    seen[tq, tk] = _visible(c0 + tk, slots[tk], kv_pos, q_pos[t0 + tq], window)
+                    seen[tq, tk] = cached[tk] and c0 + tk >= lo and c0 + tk <= pos
                     any_seen = any_seen or seen[tq, tk]
             if not any_seen:
                 continue
             for tk in range(KV_TILE):
-                cached = kv_pos[slots[tk]] == c0 + tk
                 for d in range(D):
-                    kt[d, tk] = kcache[slots[tk], kvh, d] if cached else np.float32(0.0)
-                    vt[tk, d] = vcache[slots[tk], kvh, d] if cached else np.float32(0.0)
+                    kt[d, tk] = kcache[slots[tk], kvh, d] if cached[tk] else np.float32(0.0)
+                    vt[tk, d] = vcache[slots[tk], kvh, d] if cached[tk] else np.float32(0.0)
             _tile_scores(q, t0, rows, h, kt, kq)
             for tq in range(rows):
                 _tile_softmax(kq[tq], seen[tq], scale, tq, m, s_sum, vkq)
@@ -278,8 +280,8 @@ def _tile_softmax(row, seen, scale, tq, m, s_sum, vkq):
             vkq[tq, d] = vkq[tq, d] * ms
         s_sum[tq] = s_sum[tq] * ms
     m[tq] = m_new
-    for tk in range(KV_TILE):
-        row[tk] = v_expf(row[tk] - m_new)
+    for tk in range(0, KV_TILE, 16):
+        v_expf_rows(row, tk, m_new)
     total = 0.0  # ggml_vec_soft_max_f32: a double sum of 16-lane reductions
     for at in range(0, KV_TILE, 16):
         total += np.float64(_reduce16(row, at))

@@ -131,3 +131,59 @@ def f16_rescale_add_rows(typingctx, acc, acc_off, v, v_off, ms):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _f32(value):
+    return ir.Constant(_F32X16, [float(value)] * LANES)
+
+
+def v_expf_vector(builder, x):
+    """ggml_v_expf (AVX-512) on 16 lanes, step for step (see ops.v_expf): the polynomial in
+    fma, then scalef(j, n) as exact multiplies by powers of two (one rounding)."""
+    from .ops import (_EXP_C1, _EXP_C2, _EXP_C3, _EXP_C4, _EXP_C5, _EXP_ROUND, _LN2_HI, _LN2_LO,
+                      _LOG2E)
+    fma_ = lambda a, b, c: _fma(builder, a, b, c)  # noqa: E731
+    z = fma_(x, _f32(_LOG2E), _f32(_EXP_ROUND))
+    n = builder.fsub(z, _f32(_EXP_ROUND))
+    neg_n = builder.fneg(n)
+    b = fma_(neg_n, _f32(_LN2_LO), fma_(neg_n, _f32(_LN2_HI), x))
+    u = builder.fmul(b, b)
+    j = fma_(fma_(fma_(_f32(_EXP_C5), b, _f32(_EXP_C4)), u, fma_(_f32(_EXP_C3), b, _f32(_EXP_C2))), u,
+             fma_(_f32(_EXP_C1), b, _f32(1.0)))
+    # n clamped to a finite range before the integer conversion (|n| > 192 is decided below)
+    nc = builder.select(builder.fcmp_ordered("<", n, _f32(-200.0)), _f32(-200.0), n)
+    nc = builder.select(builder.fcmp_ordered(">", nc, _f32(200.0)), _f32(200.0), nc)
+    nc = builder.select(builder.fcmp_unordered("uno", nc, nc), _f32(0.0), nc)
+    e = builder.fptosi(nc, _I32X16)
+
+    def pow2(k):  # the float 2^k for k in [-126, 127]
+        bits = builder.shl(builder.add(k, ir.Constant(_I32X16, [127] * LANES)), ir.Constant(_I32X16, [23] * LANES))
+        return builder.bitcast(bits, _F32X16)
+
+    low = builder.icmp_signed("<", e, ir.Constant(_I32X16, [-126] * LANES))
+    high = builder.icmp_signed(">", e, ir.Constant(_I32X16, [127] * LANES))
+    # low: j * 2^(e + 100) is exact, then * 2^-100 rounds once; high: j * 2^(e - 64), * 2^64
+    adjust = builder.select(low, ir.Constant(_I32X16, [100] * LANES),
+                            builder.select(high, ir.Constant(_I32X16, [-64] * LANES), ir.Constant(_I32X16, None)))
+    scaled = builder.fmul(j, pow2(builder.add(e, adjust)))
+    back = builder.select(low, _f32(2.0 ** -100), builder.select(high, _f32(2.0 ** 64), _f32(1.0)))
+    scaled = builder.fmul(scaled, back)
+    absn = builder.select(builder.fcmp_ordered("<", n, _f32(0.0)), builder.fneg(n), n)
+    big = builder.fcmp_ordered(">", absn, _f32(192.0))
+    limit = builder.select(builder.fcmp_ordered("<=", n, _f32(0.0)), _f32(0.0), _f32(float("inf")))
+    return builder.select(big, limit, scaled)
+
+
+@intrinsic
+def v_expf_rows(typingctx, arr, off, shift):
+    """arr[i] = ggml_v_expf(arr[i] - shift) for 16 consecutive i."""
+    sig = types.void(arr, types.intp, types.float32)
+
+    def codegen(context, builder, signature, args):
+        arr_a, arr_o, shift = args
+        p = _ptr(context, builder, signature.args[0], arr_a, arr_o, _F32X16)
+        x = builder.fsub(builder.load(p, align=4), _splat(builder, shift, _F32X16))
+        builder.store(v_expf_vector(builder, x), p, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
