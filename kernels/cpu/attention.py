@@ -26,7 +26,7 @@ import numpy as np
 
 from .f16 import f16_round, f16_round_finite
 from .fma import fma
-from .simd import f16_mad_rows, f16_rescale_add_rows, fma_product_rows, fma_scalar_rows, v_expf_rows
+from .simd import f16_mad_rows, f16_rescale_add_rows, fma_chain_64, fma_product_rows, fma_scalar_rows, v_expf_rows
 
 Q_TILE = 64           # query rows per tile, and the batch size from which ggml tiles
 KV_TILE = 64          # cells per tile
@@ -193,18 +193,18 @@ def _reduce16(x, at):
 
 @nb.njit(**_PAR)
 def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, out):
-    """ggml_compute_forward_flash_attn_ext_tiled: per head, 64 query rows against 64-cell tiles."""
+    """ggml_compute_forward_flash_attn_ext_tiled: per head, 64 query rows against 64-cell tiles.
+    The heads that share a KV head share each tile's copy of K and V and its mask."""
     T = q.shape[0]
     D = kcache.shape[2]
     group = n_heads // kcache.shape[1]
     n_qt = (T + Q_TILE - 1) // Q_TILE
-    for job in nb.prange(n_heads * n_qt):
-        h, t0 = job // n_qt, (job % n_qt) * Q_TILE
-        kvh = h // group
+    for job in nb.prange(kcache.shape[1] * n_qt):
+        kvh, t0 = job // n_qt, (job % n_qt) * Q_TILE
         rows = min(Q_TILE, T - t0)
-        vkq = np.zeros((Q_TILE, D), np.float32)      # unnormalized output rows
-        s_sum = np.zeros(Q_TILE, np.float32)
-        m = np.full(Q_TILE, -np.inf, np.float32)
+        vkq = np.zeros((group, Q_TILE, D), np.float32)  # per head: unnormalized output rows
+        s_sum = np.zeros((group, Q_TILE), np.float32)
+        m = np.full((group, Q_TILE), -np.inf, np.float32)
         kt = np.zeros((D, KV_TILE), np.float32)      # the tile's keys, transposed
         vt = np.zeros((KV_TILE, D), np.float32)
         kq = np.empty((Q_TILE, KV_TILE), np.float32)  # scores, then probabilities
@@ -230,24 +230,34 @@ def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, sca
                 for d in range(D):
                     kt[d, tk] = kcache[slots[tk], kvh, d] if cached[tk] else np.float32(0.0)
                     vt[tk, d] = vcache[slots[tk], kvh, d] if cached[tk] else np.float32(0.0)
-            _tile_scores(q, t0, rows, h, kt, kq)
+            for hh in range(group):
+                _tile_head(q, t0, rows, kvh * group + hh, kt, vt, kq, seen, scale, m[hh], s_sum[hh], vkq[hh])
+        for hh in range(group):
+            h = kvh * group + hh
             for tq in range(rows):
-                _tile_softmax(kq[tq], seen[tq], scale, tq, m, s_sum, vkq)
-            for tq in range(rows):
-                for tk in range(KV_TILE):
-                    p = kq[tq, tk]
-                    if p == 0:  # fma(v, 0, acc) leaves acc as it is
-                        continue
-                    if D % 32 == 0:
-                        for d in range(0, D, 32):
-                            fma_scalar_rows(vkq, tq * D + d, vt, tk * D + d, p)
-                    else:
-                        for d in range(D):
-                            vkq[tq, d] = fma(vt[tk, d], p, vkq[tq, d])
-        for tq in range(rows):
-            inv = np.float32(1.0) / s_sum[tq] if s_sum[tq] != 0 else np.float32(0.0)
+                inv = np.float32(1.0) / s_sum[hh, tq] if s_sum[hh, tq] != 0 else np.float32(0.0)
+                for d in range(D):
+                    out[t0 + tq, h * D + d] = vkq[hh, tq, d] * inv
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _tile_head(q, t0, rows, h, kt, vt, kq, seen, scale, m, s_sum, vkq):
+    """One head's step over one tile: scores, online softmax, the V sum (vkq (Q_TILE, D))."""
+    D = kt.shape[0]
+    _tile_scores(q, t0, rows, h, kt, kq)
+    for tq in range(rows):
+        _tile_softmax(kq[tq], seen[tq], scale, tq, m, s_sum, vkq)
+    for tq in range(rows):
+        if D % 64 == 0:  # vkq[tq] = fma(vt[tk], p[tk], vkq[tq]) for tk in order, 64 dims at a time
+            for d in range(0, D, 64):
+                fma_chain_64(vkq, tq * D + d, vt, d, D, kq, tq * KV_TILE, 1, KV_TILE)
+            continue
+        for tk in range(KV_TILE):
+            p = kq[tq, tk]
+            if p == 0:  # fma(v, 0, acc) leaves acc as it is
+                continue
             for d in range(D):
-                out[t0 + tq, h * D + d] = vkq[tq, d] * inv
+                vkq[tq, d] = fma(vt[tk, d], p, vkq[tq, d])
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -255,11 +265,8 @@ def _tile_scores(q, t0, rows, h, kt, kq):
     """kq[tq, tk] = one fma chain over the head dimension (simd_gemm), Q in f32."""
     D = kt.shape[0]
     kq[:] = 0
-    for tq in range(rows):
-        for d in range(D):
-            qd = q[t0 + tq, h * D + d]
-            for tk in range(0, KV_TILE, 32):
-                fma_scalar_rows(kq, tq * KV_TILE + tk, kt, d * KV_TILE + tk, qd)
+    for tq in range(rows):  # kq[tq] = fma(kt[d], q[tq, d], kq[tq]) for d in order
+        fma_chain_64(kq, tq * KV_TILE, kt, 0, KV_TILE, q, (t0 + tq) * q.shape[1] + h * D, 1, D)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

@@ -187,3 +187,63 @@ def v_expf_rows(typingctx, arr, off, shift):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _loop(builder, n, init, body):
+    """for i in range(n): carried = body(i, carried); returns the final carried vectors."""
+    intp = n.type
+    entry = builder.block
+    loop = builder.append_basic_block("rows_loop")
+    done = builder.append_basic_block("rows_done")
+    builder.cbranch(builder.icmp_signed(">", n, ir.Constant(intp, 0)), loop, done)
+    builder.position_at_end(loop)
+    i = builder.phi(intp)
+    i.add_incoming(ir.Constant(intp, 0), entry)
+    carried = [builder.phi(v.type) for v in init]
+    for phi, v in zip(carried, init):
+        phi.add_incoming(v, entry)
+    new = body(i, carried)
+    nxt = builder.add(i, ir.Constant(intp, 1))
+    i.add_incoming(nxt, builder.block)
+    for phi, v in zip(carried, new):
+        phi.add_incoming(v, builder.block)
+    builder.cbranch(builder.icmp_signed("<", nxt, n), loop, done)
+    builder.position_at_end(done)
+    out = []
+    for v0, v in zip(init, new):
+        phi = builder.phi(v.type)
+        phi.add_incoming(v0, entry)
+        phi.add_incoming(v, loop)
+        out.append(phi)
+    return out
+
+
+@intrinsic
+def fma_chain_64(typingctx, acc, acc_off, m, m_off, m_stride, s, s_off, s_step, n):
+    """For 64 consecutive acc[acc_off + j]: one fma chain over i in [0, n), in order,
+    acc = fma(m[m_off + i * m_stride + j], s[s_off + i * s_step], acc), kept in registers.
+    Flash attention's tiles: scores (K^T rows times a query's values) and the V sum (V rows
+    times a row's probabilities)."""
+    sig = types.void(acc, types.intp, m, types.intp, types.intp, s, types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        acc_a, acc_o, m_a, m_o, m_st, s_a, s_o, s_st, n = args
+        c = lambda v: ir.Constant(acc_o.type, v)  # noqa: E731
+        acc_ptrs = [_ptr(context, builder, signature.args[0], acc_a, builder.add(acc_o, c(16 * k)), _F32X16)
+                    for k in range(4)]
+        init = [builder.load(p, align=4) for p in acc_ptrs]
+        s_data = cgutils.create_struct_proxy(signature.args[5])(context, builder, value=s_a).data
+
+        def body(i, carried):
+            sv = _splat(builder, builder.load(builder.gep(s_data, [builder.add(s_o, builder.mul(i, s_st))])),
+                        _F32X16)
+            row = builder.add(m_o, builder.mul(i, m_st))
+            return [_fma(builder, builder.load(_ptr(context, builder, signature.args[2], m_a,
+                                                    builder.add(row, c(16 * k)), _F32X16), align=4), sv, a)
+                    for k, a in enumerate(carried)]
+
+        for p, v in zip(acc_ptrs, _loop(builder, n, init, body)):
+            builder.store(v, p, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
