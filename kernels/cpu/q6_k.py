@@ -13,6 +13,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .simd import open_loop
 from .vnni import R
 
 _I8X64 = ir.VectorType(ir.IntType(8), 64)
@@ -58,36 +59,8 @@ class _Emitter:
         return self.b.fptosi(self.vec(arg, offset, _F32X16), _I32X16)
 
     def loop(self, n, init):
-        """Start a loop over i in [0, n) carrying the vectors `init`; returns (i, carried, finish)
-        where finish(new_values) closes the loop and returns the final values."""
-        b = self.b
-        entry = b.block
-        body = b.append_basic_block("q6k_loop")
-        done = b.append_basic_block("q6k_done")
-        b.cbranch(b.icmp_signed(">", n, self.c(0)), body, done)
-        b.position_at_end(body)
-        i = b.phi(self.intp)
-        i.add_incoming(self.c(0), entry)
-        carried = [b.phi(v.type) for v in init]
-        for phi, v in zip(carried, init):
-            phi.add_incoming(v, entry)
-
-        def finish(new):
-            nxt = b.add(i, self.c(1))
-            i.add_incoming(nxt, body)
-            for phi, v in zip(carried, new):
-                phi.add_incoming(v, body)
-            b.cbranch(b.icmp_signed("<", nxt, n), body, done)
-            b.position_at_end(done)
-            out = []
-            for v0, v in zip(init, new):
-                phi = b.phi(v.type)
-                phi.add_incoming(v0, entry)
-                phi.add_incoming(v, body)
-                out.append(phi)
-            return out
-
-        return i, carried, finish
+        """simd.open_loop: (i, carried, finish) of a loop over [0, n)."""
+        return open_loop(self.b, n, init)
 
     def store(self, arg, offset, value):
         self.b.store(value, self.b.bitcast(self.at(arg, offset), value.type.as_pointer()), align=4)

@@ -189,12 +189,13 @@ def v_expf_rows(typingctx, arr, off, shift):
     return sig, codegen
 
 
-def _loop(builder, n, init, body):
-    """for i in range(n): carried = body(i, carried); returns the final carried vectors."""
+def open_loop(builder, n, init):
+    """Start `for i in range(n)` carrying the vectors `init`; returns (i, carried, finish), where
+    finish(new_values) closes the loop and returns the values after it (init when n <= 0)."""
     intp = n.type
     entry = builder.block
-    loop = builder.append_basic_block("rows_loop")
-    done = builder.append_basic_block("rows_done")
+    loop = builder.append_basic_block("loop")
+    done = builder.append_basic_block("loop_done")
     builder.cbranch(builder.icmp_signed(">", n, ir.Constant(intp, 0)), loop, done)
     builder.position_at_end(loop)
     i = builder.phi(intp)
@@ -202,20 +203,30 @@ def _loop(builder, n, init, body):
     carried = [builder.phi(v.type) for v in init]
     for phi, v in zip(carried, init):
         phi.add_incoming(v, entry)
-    new = body(i, carried)
-    nxt = builder.add(i, ir.Constant(intp, 1))
-    i.add_incoming(nxt, builder.block)
-    for phi, v in zip(carried, new):
-        phi.add_incoming(v, builder.block)
-    builder.cbranch(builder.icmp_signed("<", nxt, n), loop, done)
-    builder.position_at_end(done)
-    out = []
-    for v0, v in zip(init, new):
-        phi = builder.phi(v.type)
-        phi.add_incoming(v0, entry)
-        phi.add_incoming(v, loop)
-        out.append(phi)
-    return out
+
+    def finish(new):
+        last = builder.block
+        nxt = builder.add(i, ir.Constant(intp, 1))
+        i.add_incoming(nxt, last)
+        for phi, v in zip(carried, new):
+            phi.add_incoming(v, last)
+        builder.cbranch(builder.icmp_signed("<", nxt, n), loop, done)
+        builder.position_at_end(done)
+        out = []
+        for v0, v in zip(init, new):
+            phi = builder.phi(v.type)
+            phi.add_incoming(v0, entry)
+            phi.add_incoming(v, last)
+            out.append(phi)
+        return out
+
+    return i, carried, finish
+
+
+def _loop(builder, n, init, body):
+    """for i in range(n): carried = body(i, carried); returns the final carried vectors."""
+    i, carried, finish = open_loop(builder, n, init)
+    return finish(body(i, carried))
 
 
 @intrinsic
