@@ -61,6 +61,13 @@ def _first_cell(pos, window):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
+def _ring_start(newest, n_keep, n_slots):
+    """The oldest position the ring still holds once `newest` is written: cells from n_keep up
+    to it are forgotten (nothing to visit there; only a cache decoding past its size has any)."""
+    return max(n_keep, newest + 1 - (n_slots - n_keep))
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
 def _dot_f16(a, b, acc):
     """ggml_vec_dot_f16 (AVX-512): 4 accumulators of 16 lanes (acc, 64 scratch floats) over
     steps of 64 (fma), summed (0+2)+(1+3), then _mm512_reduce_add_ps's halving tree; the rest
@@ -83,16 +90,24 @@ def _dot_f16(a, b, acc):
 
 
 @nb.njit(**_SER)
-def _one_chunk(q16, first, last, pos, n_keep, kcache, vcache, kv_pos, kvh, window, scale, acc):
-    """Online softmax over cells [first, last) as ggml's one_chunk: acc (D,) the f16-rounded,
-    unnormalized V sum; returns (running max M, softmax sum S)."""
+def _one_chunk(q16, first, last, pos, newest, n_keep, kcache, vcache, kv_pos, kvh, window, scale, acc):
+    """Online softmax over cells [first, last) as ggml's one_chunk (newest: the batch's last
+    position): acc (D,) the f16-rounded, unnormalized V sum; returns (running max M, sum S)."""
     m = np.float32(-np.inf)
     s_sum = np.float32(0.0)
     acc[:] = 0
     scratch = np.empty(64, np.float32)
-    for cell in range(max(first, _first_cell(pos, window)), min(last, pos + 1)):
-        slot = _slot(cell, n_keep, kcache.shape[0])
-        if not _visible(cell, slot, kv_pos, pos, window):
+    ring_start = _ring_start(newest, n_keep, kcache.shape[0])
+    cell = max(first, _first_cell(pos, window))
+    end = min(last, pos + 1)
+    while cell < end:
+        if n_keep <= cell < ring_start:  # forgotten: skip to the ring's oldest position
+            cell = ring_start
+            continue
+        c = cell
+        cell += 1
+        slot = _slot(c, n_keep, kcache.shape[0])
+        if not _visible(c, slot, kv_pos, pos, window):
             continue
         score = _dot_f16(kcache[slot, kvh], q16, scratch) * scale
         v = vcache[slot, kvh]
@@ -142,7 +157,7 @@ def _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window,
     for job in nb.prange(T * n_heads):
         t, h = job // n_heads, job % n_heads
         acc = np.empty(D, np.float32)
-        m, s_sum = _one_chunk(_query_f16(q, t, h, D), 0, n_cells, q_pos[t], n_keep, kcache, vcache, kv_pos,
+        m, s_sum = _one_chunk(_query_f16(q, t, h, D), 0, n_cells, q_pos[t], q_pos[-1], n_keep, kcache, vcache, kv_pos,
                               h // group, window, scale, acc)
         inv = np.float32(1.0) / s_sum if s_sum != 0 else np.float32(0.0)
         for d in range(D):
@@ -165,7 +180,7 @@ def _attend_split(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, sca
         for part in range(n_parts):
             if part * run >= n_cells:
                 continue
-            m, s_sum = _one_chunk(q16, part * run, (part + 1) * run, q_pos[0], n_keep, kcache, vcache, kv_pos,
+            m, s_sum = _one_chunk(q16, part * run, (part + 1) * run, q_pos[0], q_pos[0], n_keep, kcache, vcache, kv_pos,
                                   h // group, window, scale, acc)
             if s_sum == 0:
                 continue
@@ -213,7 +228,10 @@ def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, sca
         cached = np.empty(KV_TILE, np.bool_)         # whether the ring still holds each cell
         # tiles wholly before the first visible cell or after the last query are masked: skipped
         c_first = _first_cell(q_pos[t0], window) // KV_TILE * KV_TILE
+        ring_start = _ring_start(q_pos[T - 1], n_keep, kcache.shape[0])
         for c0 in range(c_first, min(n_cells, q_pos[t0 + rows - 1] + 1), KV_TILE):
+            if c0 >= n_keep and c0 + KV_TILE <= ring_start:  # a tile of forgotten cells
+                continue
             any_seen = False
             for tk in range(KV_TILE):
                 slots[tk] = _slot(c0 + tk, n_keep, kcache.shape[0])
