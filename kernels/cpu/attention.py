@@ -26,7 +26,7 @@ import numpy as np
 
 from .f16 import f16_round, f16_round_finite
 from .fma import fma
-from .simd import f16_mad_rows, f16_rescale_add_rows, fma_chain_64, fma_product_rows, fma_scalar_rows, v_expf_rows
+from .simd import f16_mad_rows, f16_rescale_add_rows, fma_chain_64, fma_product_rows, v_expf_rows
 
 Q_TILE = 64           # query rows per tile, and the batch size from which ggml tiles
 KV_TILE = 64          # cells per tile

@@ -15,6 +15,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .simd import _splat, open_loop
 from .vnni import R
 
 _I8X64 = ir.VectorType(ir.IntType(8), 64)
@@ -26,11 +27,6 @@ _F32X16 = ir.VectorType(_F32, 16)
 
 def _data(context, builder, array_type, array):
     return cgutils.create_struct_proxy(array_type)(context, builder, value=array).data
-
-
-def _splat(builder, value, vector_type):
-    v = builder.insert_element(ir.Constant(vector_type, None), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vector_type, None), ir.Constant(_I32X16, [0] * 16))
 
 
 def _load(builder, base, offset, vector_type):
@@ -62,17 +58,7 @@ def _make(nibbles: bool, has_min: bool):
             zero_f = ir.Constant(_F32X16, None)
             n_acc = 16 + (2 if has_min else 0)  # [lane][half], then summs halves
 
-            entry = builder.block
-            loop = builder.append_basic_block("gemv_loop")
-            done = builder.append_basic_block("gemv_done")
-            builder.cbranch(builder.icmp_signed(">", n_blk, c(0)), loop, done)
-
-            builder.position_at_end(loop)
-            b = builder.phi(intp)
-            b.add_incoming(c(0), entry)
-            accs = [builder.phi(_F32X16) for _ in range(n_acc)]
-            for acc in accs:
-                acc.add_incoming(zero_f, entry)
+            b, accs, finish = open_loop(builder, n_blk, [zero_f] * n_acc)
             block_bytes = 16 * R if nibbles else 32 * R
             wb = builder.mul(b, c(block_bytes))
             low, four = ir.Constant(_I8X64, [15] * 64), ir.Constant(_I8X64, [4] * 64)
@@ -83,6 +69,7 @@ def _make(nibbles: bool, has_min: bool):
                 # 128 bytes per pair of lanes: low nibbles lane 2p, high nibbles lane 2p + 1
                 v = _load(builder, wp, builder.add(wb, c(128 * (lane // 2) + 64 * h)), _I8X64)
                 return builder.lshr(v, four) if lane % 2 else builder.and_(v, low)
+
             sb = builder.add(sc_o, builder.mul(b, c(R)))  # this block's R scales
             xb = builder.add(b_o, b)
             xdv = _splat(builder, builder.load(builder.gep(xdp, [xb])), _F32X16)
@@ -103,17 +90,7 @@ def _make(nibbles: bool, has_min: bool):
                 for h in range(2):
                     bias_v = _load(builder, bip, builder.add(sb, c(16 * h)), _F32X16)
                     news.append(builder.call(fma, [bias_v, xsv, accs[16 + h]]))
-            nxt = builder.add(b, c(1))
-            b.add_incoming(nxt, loop)
-            for acc, new in zip(accs, news):
-                acc.add_incoming(new, loop)
-            builder.cbranch(builder.icmp_signed("<", nxt, n_blk), loop, done)
-
-            builder.position_at_end(done)
-            results = [builder.phi(_F32X16) for _ in news]
-            for res, new in zip(results, news):
-                res.add_incoming(zero_f, entry)
-                res.add_incoming(new, loop)
+            results = finish(news)
             for k, res in enumerate(results):
                 ptr = builder.bitcast(builder.gep(outp, [ir.Constant(ir.IntType(64), 16 * k)]), _F32X16.as_pointer())
                 builder.store(res, ptr, align=4)
