@@ -124,6 +124,7 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        self._file = None
         self._mmap = None
         self._open()
         try:
@@ -146,29 +147,38 @@ class GGUFFile:
             self.file_size = p.stat().st_size
             if self.file_size < 24:
                 raise GGUFError(f"{p}: not a GGUF file (only {self.file_size} bytes)")
-            with open(p, "rb") as f:
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except PermissionError:
-            raise GGUFError(f"{p}: permission denied") from None
+            self._file = open(p, "rb")
+            self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as exc:
+            self.close()
+            if isinstance(exc, PermissionError):
+                raise GGUFError(f"{p}: permission denied") from None
             raise GGUFError(f"{p}: cannot read ({exc.strerror or exc})") from None
         self.buffer = np.frombuffer(self._mmap, dtype=np.uint8)
 
-    def release_pages(self, name: str | None = None) -> None:
-        """Drop the mapped pages of a tensor (or of the whole file) from memory; they are read
-        back from the file if touched again. Called once weights are repacked, so that they
-        are not held twice."""
+    def release_pages(self, name: str | None = None, rows: tuple[int, int] | None = None) -> None:
+        """Drop the mapped pages of a tensor (rows [r0, r1) of it, or all), or of the whole file,
+        from memory; they are read back from the file if touched again. Called as weights are
+        repacked, so that they are not held twice."""
         if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
         if name is None:
             self._mmap.madvise(mmap.MADV_DONTNEED)
             return
         t = self.tensors[name]
-        start = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
-        self._mmap.madvise(mmap.MADV_DONTNEED, start, t.offset + t.n_bytes - start)
+        begin, end = t.offset, t.offset + t.n_bytes
+        if rows is not None:
+            row_bytes = t.shape[0] // t.format.block_size * t.format.type_size
+            begin, end = t.offset + rows[0] * row_bytes, min(end, t.offset + rows[1] * row_bytes)
+        start = begin // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
         self.buffer = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
         if self._mmap is not None:
             try:
                 self._mmap.close()
@@ -324,6 +334,19 @@ class GGUFFile:
         row_bytes = t.shape[0] // t.format.block_size * t.format.type_size
         view = self.buffer[t.offset:t.offset + t.n_bytes]
         return view.reshape(-1, row_bytes)
+
+    def read_rows(self, name: str, rows) -> np.ndarray:
+        """Rows of a tensor, (len(rows), row_bytes) uint8, read from the file rather than the map:
+        the kernel maps page-cache folios whole (up to 2 MiB), so touching one mapped row can
+        add megabytes to resident memory."""
+        t = self.tensors[name]
+        row_bytes = t.shape[0] // t.format.block_size * t.format.type_size
+        out = np.empty((len(rows), row_bytes), np.uint8)
+        fd = self._file.fileno()
+        for i, row in enumerate(rows):
+            if os.preadv(fd, [out[i]], t.offset + int(row) * row_bytes) != row_bytes:
+                raise GGUFError(f"{self.path}: short read in tensor '{name}'")
+        return out
 
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)

@@ -12,6 +12,7 @@ from .arch import get_architecture
 from .errors import MinillmError
 from .gguf_file import GGUFFile
 from .kv_cache import KVCache
+from .memory import release_compiler_pages
 
 DEFAULT_BATCH = 512
 DEVICES = ("cpu", "cuda", "auto")
@@ -50,6 +51,7 @@ class Model:
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, progress=None, device: str = "cpu"):
         t0 = time.perf_counter()
+        release_compiler_pages()  # the compiler is initialized (by the imports): drop it before the weights
         self.path = Path(path)
         self.threads = threads or default_threads()
         numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
@@ -70,7 +72,8 @@ class Model:
 
     def warm_up(self, log=None) -> None:
         """Run one token through the model so that the compiled kernels are ready. On the first
-        run on a machine that compiles them (about a minute): say so, with a spinner."""
+        run on a machine that compiles them (about a minute): say so, with a spinner. Then
+        LLVM's pages, idle from here on, go back to the kernel (see memory.py)."""
         if self.backend is not None:
             self.backend.warm_up()
             return
@@ -81,8 +84,9 @@ class Model:
             with console.status("Compiling the kernels for this CPU (first run only, about a minute)..."):
                 self.eval([0], self.new_cache(2))
             log("kernels compiled and cached")
-            return
-        self.eval([0], self.new_cache(2))
+        else:
+            self.eval([0], self.new_cache(2))
+        release_compiler_pages()
 
     @property
     def n_vocab(self) -> int:

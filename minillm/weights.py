@@ -22,7 +22,9 @@ class Matrix:
     (for Q4_K/Q6_K: the integer sub-block scales and mins, and super-block scales `sb`);
     F32/F16/BF16 -> a float32 (n_rows, n_cols) matrix."""
 
-    def __init__(self, name: str, fmt: Format, raw: np.ndarray, n_rows: int, n_cols: int):
+    def __init__(self, name: str, fmt: Format, raw: np.ndarray, n_rows: int, n_cols: int, release=None):
+        """raw (n_rows, row_bytes) uint8; release(r0, r1), if given, is told when rows r0..r1 of
+        raw have been read (the loader drops their mapped pages)."""
         self.name, self.format = name, fmt
         self.n_rows, self.n_cols = n_rows, n_cols
         if fmt.quantized:
@@ -38,6 +40,8 @@ class Matrix:
                     scale, bias, chunk_sb = superblocks(fmt, chunk, n_cols)
                     mm.tile_floats(chunk_sb, row0, sb)
                 mm.fill_tiles(tiles, row0, q, scale, bias)
+                if release is not None:
+                    release(row0, row0 + mm.CHUNK_ROWS)
             self.packed = (*tiles, _NO_FLOATS, n_rows, fmt.group, mm.KIND_IDS[fmt.activation], 0, sb,
                            mm.PRODUCT_IDS[fmt.product])
         else:

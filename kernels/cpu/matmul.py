@@ -433,25 +433,32 @@ def _accumulate_group(facc, iacc, sc, bias, nt, g, shift, sd, ss):
 
 @nb.njit(parallel=True, cache=True, nogil=True)
 def _tile_rows(q, scale, bias, offset, nibbles, nt0, data, scale_t, bias_t):
-    """Write rows q (n, K) (and their scales) into tiles nt0.. of data/scale_t/bias_t."""
+    """Write rows q (n, K) (and their scales) into tiles nt0.. of data/scale_t/bias_t.
+    A tile's codes are (K/4, R, 4) bytes, or (K/8, R, 4) with columns k and k+4 of each group
+    of 8 in the low and high nibble; written in order, each tile's rows read side by side."""
     N, K = q.shape
     for t in nb.prange((N + R - 1) // R):
-        nt = nt0 + t
-        for r in range(R):
-            n = t * R + r
-            if n >= N:
-                continue  # padding rows: code 0, scale 0
-            for k in range(K):
-                code = np.int32(q[n, k]) + offset
-                if nibbles:
-                    at = ((nt * (K // 8) + k // 8) * R + r) * 4 + k % 4
-                    data[at] |= np.uint8(code << 4 if k % 8 >= 4 else code)
-                else:
-                    data[((nt * (K // 4) + k // 4) * R + r) * 4 + k % 4] = np.uint8(code)
+        nt, n0 = nt0 + t, t * R
+        rows = min(R, N - n0)  # the rest of a last tile stays padding: code 0, scale 0
+        if nibbles:
+            for k8 in range(K // 8):
+                at = (nt * (K // 8) + k8) * R * 4
+                for r in range(rows):
+                    for j in range(4):
+                        low = np.int32(q[n0 + r, 8 * k8 + j]) + offset
+                        high = np.int32(q[n0 + r, 8 * k8 + 4 + j]) + offset
+                        data[at + 4 * r + j] = np.uint8(low | (high << 4))
+        else:
+            for k4 in range(K // 4):
+                at = (nt * (K // 4) + k4) * R * 4
+                for r in range(rows):
+                    for j in range(4):
+                        data[at + 4 * r + j] = np.uint8(np.int32(q[n0 + r, 4 * k4 + j]) + offset)
+        for r in range(rows):
             for g in range(scale.shape[1]):
-                scale_t[nt, g, r] = scale[n, g]
+                scale_t[nt, g, r] = scale[n0 + r, g]
             for g in range(bias.shape[1]):
-                bias_t[nt, g, r] = bias[n, g]
+                bias_t[nt, g, r] = bias[n0 + r, g]
 
 
 CHUNK_ROWS = 64 * R  # rows unpacked at a time: the transient copy stays small

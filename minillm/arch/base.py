@@ -136,11 +136,12 @@ class Transformer:
 
     # -- weights ---------------------------------------------------------------------
     def vector(self, name: str) -> np.ndarray:
-        return self.gguf.raw(name).view(np.float32).reshape(-1)
+        return self.gguf.read_rows(name, [0]).view(np.float32).reshape(-1)  # a 1-D tensor is one row
 
     def matrix(self, name: str) -> Matrix:
         info = self.gguf.tensors[name]
-        matrix = Matrix(name, info.format, self.gguf.raw(name), info.shape[1], info.shape[0])
+        matrix = Matrix(name, info.format, self.gguf.raw(name), info.shape[1], info.shape[0],
+                        release=lambda r0, r1: self.gguf.release_pages(name, (r0, r1)))
         self.gguf.release_pages(name)
         return matrix
 
@@ -163,8 +164,8 @@ class Transformer:
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """(T, E) float32 rows of token_embd, dequantized exactly as ggml_get_rows."""
         info = self.gguf.tensors["token_embd.weight"]
-        raw = self.gguf.raw("token_embd.weight")
-        return dequantize(info.format, np.ascontiguousarray(raw[ids]), info.shape[0]).copy()
+        rows = self.gguf.read_rows("token_embd.weight", ids)
+        return dequantize(info.format, rows, info.shape[0])
 
     # -- forward ---------------------------------------------------------------------
     def cache_layout(self, n_ctx: int, n_batch: int) -> tuple[dict[str, int], list[str]]:
