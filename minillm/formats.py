@@ -26,8 +26,14 @@ class Format:
     has_bias: bool       # the format stores a min/offset per group
     activation: str      # run-time activation quantization llama.cpp pairs with it
     quantized: bool = True
-    nibble_offset: int | None = None  # codes fit 4 bits once shifted by this: stored two per byte
     product: str = "lanes"  # how llama.cpp's x86 CPU backend sums its products (kernels/cpu/matmul.py)
+    code_bits: int = 8      # q + code_offset is unsigned and fits this many bits: the stored width
+    code_offset: int = 128
+
+    @property
+    def nibble_offset(self) -> int | None:
+        """The code offset of formats whose codes are stored two a byte."""
+        return self.code_offset if self.code_bits == 4 else None
 
     @property
     def bits_per_weight(self) -> float:
@@ -40,14 +46,14 @@ ACTIVATION_BLOCK = {"q8_0": 32, "q8_1": 32, "q8_k": 256, "f32": 1, "f16": 1, "bf
 FORMATS = [
     Format("F32", 0, 1, 4, 0, False, "f32", quantized=False),
     Format("F16", 1, 1, 2, 0, False, "f16", quantized=False),
-    Format("Q4_0", 2, 32, 18, 32, False, "q8_0", nibble_offset=8),
-    Format("Q4_1", 3, 32, 20, 32, True, "q8_1", nibble_offset=0),
-    Format("Q5_0", 6, 32, 22, 32, False, "q8_0"),
-    Format("Q5_1", 7, 32, 24, 32, True, "q8_1"),
+    Format("Q4_0", 2, 32, 18, 32, False, "q8_0", code_bits=4, code_offset=8),
+    Format("Q4_1", 3, 32, 20, 32, True, "q8_1", code_bits=4, code_offset=0),
+    Format("Q5_0", 6, 32, 22, 32, False, "q8_0", code_bits=5, code_offset=16),
+    Format("Q5_1", 7, 32, 24, 32, True, "q8_1", code_bits=5, code_offset=0),
     Format("Q8_0", 8, 32, 34, 32, False, "q8_0"),
-    Format("Q2_K", 10, 256, 84, 16, True, "q8_k", nibble_offset=0, product="groups"),
-    Format("Q3_K", 11, 256, 110, 16, False, "q8_k", nibble_offset=4, product="groups"),
-    Format("Q4_K", 12, 256, 144, 32, True, "q8_k", nibble_offset=0, product="q4_k"),
+    Format("Q2_K", 10, 256, 84, 16, True, "q8_k", product="groups", code_bits=4, code_offset=0),
+    Format("Q3_K", 11, 256, 110, 16, False, "q8_k", product="groups", code_bits=4, code_offset=4),
+    Format("Q4_K", 12, 256, 144, 32, True, "q8_k", product="q4_k", code_bits=4, code_offset=0),
     Format("Q5_K", 13, 256, 176, 32, True, "q8_k", product="groups"),
     Format("Q6_K", 14, 256, 210, 16, False, "q8_k", product="q6_k"),
     Format("BF16", 30, 1, 2, 0, False, "bf16", quantized=False),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .formats import Format
+from .kernels.cpu import lanes
 from .kernels.cpu import layers
 from .kernels.cpu import matmul as mm
 from .kernels.cpu.unpack import dequantize, superblocks, unpack
@@ -18,8 +19,9 @@ _INTEGER_SCALES = ("q4_k", "q6_k")  # products computed from the format's own in
 class Matrix:
     """A weight matrix (n_rows outputs, n_cols inputs). `packed` is the uniform tuple the
     compiled layers take (see kernels/cpu/layers.py):
-    quantized formats -> int8 codes tiled for the VNNI kernel, with per-group scales/biases
-    (for Q4_K/Q6_K: the integer sub-block scales and mins, and super-block scales `sb`);
+    32-block formats -> lanes tiles: codes at their width and float16 scales (kernels/cpu/lanes.py);
+    K-quants -> int8 codes tiled for the VNNI kernels, with per-group scales/biases (for
+    Q4_K/Q6_K: the integer sub-block scales and mins, and super-block scales `sb`);
     F32/F16/BF16 -> a float32 (n_rows, n_cols) matrix."""
 
     def __init__(self, name: str, fmt: Format, raw: np.ndarray, n_rows: int, n_cols: int, release=None):
@@ -27,27 +29,42 @@ class Matrix:
         raw have been read (the loader drops their mapped pages)."""
         self.name, self.format = name, fmt
         self.n_rows, self.n_cols = n_rows, n_cols
-        if fmt.quantized:
-            tiles = mm.empty_tiles(n_rows, n_cols, n_cols // fmt.group, n_cols // fmt.group if fmt.has_bias else 0,
-                                   fmt.nibble_offset)
-            integer_scales = fmt.product in _INTEGER_SCALES
-            sb = np.zeros(((n_rows + mm.R - 1) // mm.R, 2 * (n_cols // 256) if integer_scales else 0, mm.R),
-                          np.float32)
-            for row0 in range(0, n_rows, mm.CHUNK_ROWS):  # a chunk at a time: no full transient copy
-                chunk = raw[row0:row0 + mm.CHUNK_ROWS]
-                q, scale, bias = unpack(fmt, chunk, n_cols)
-                if integer_scales:
-                    scale, bias, chunk_sb = superblocks(fmt, chunk, n_cols)
-                    mm.tile_floats(chunk_sb, row0, sb)
-                mm.fill_tiles(tiles, row0, q, scale, bias)
-                if release is not None:
-                    release(row0, row0 + mm.CHUNK_ROWS)
-            self.packed = (*tiles, _NO_FLOATS, n_rows, fmt.group, mm.KIND_IDS[fmt.activation], 0, sb,
-                           mm.PRODUCT_IDS[fmt.product])
-        else:
+        if not fmt.quantized:
             weight = np.ascontiguousarray(dequantize(fmt, raw, n_cols))
-            self.packed = (_NO_BYTES, _NO_SCALES, _NO_SCALES, 0, False, weight, n_rows, 0, -1,
+            self.packed = (_NO_BYTES, _NO_SCALES, _NO_SCALES, 0, 0, weight, n_rows, 0, -1,
                            _FLOAT_FORMATS[fmt.name], _NO_SCALES, 0)
+            return
+        pack = self._pack_lanes if fmt.product == "lanes" else self._pack_tiles
+        data, scale, bias, offset, bits, sb = pack(fmt, raw, n_rows, n_cols, release or (lambda r0, r1: None))
+        self.packed = (data, scale, bias, offset, bits, _NO_FLOATS, n_rows, fmt.group, mm.KIND_IDS[fmt.activation],
+                       0, sb, mm.PRODUCT_IDS[fmt.product])
+
+    @staticmethod
+    def _chunks(fmt, raw, n_rows, n_cols, release):
+        """(row0, raw rows, q, scale, bias) a chunk of rows at a time: no full transient copy."""
+        for row0 in range(0, n_rows, mm.CHUNK_ROWS):
+            chunk = raw[row0:row0 + mm.CHUNK_ROWS]
+            yield (row0, chunk, *unpack(fmt, chunk, n_cols))
+            release(row0, row0 + mm.CHUNK_ROWS)
+
+    def _pack_lanes(self, fmt, raw, n_rows, n_cols, release):
+        data = lanes.empty_lanes(n_rows, n_cols, fmt.code_bits, fmt.has_bias)
+        for row0, _, q, scale, bias in self._chunks(fmt, raw, n_rows, n_cols, release):
+            lanes.fill_lanes(data, row0, q, scale, bias, fmt.code_offset, fmt.code_bits)
+        return data, _NO_SCALES, _NO_SCALES, fmt.code_offset, fmt.code_bits, _NO_SCALES
+
+    def _pack_tiles(self, fmt, raw, n_rows, n_cols, release):
+        tiles = mm.empty_tiles(n_rows, n_cols, n_cols // fmt.group, n_cols // fmt.group if fmt.has_bias else 0,
+                               fmt.nibble_offset)
+        integer_scales = fmt.product in _INTEGER_SCALES
+        sb = np.zeros(((n_rows + mm.R - 1) // mm.R, 2 * (n_cols // 256) if integer_scales else 0, mm.R), np.float32)
+        for row0, chunk, q, scale, bias in self._chunks(fmt, raw, n_rows, n_cols, release):
+            if integer_scales:
+                scale, bias, chunk_sb = superblocks(fmt, chunk, n_cols)
+                mm.tile_floats(chunk_sb, row0, sb)
+            mm.fill_tiles(tiles, row0, q, scale, bias)
+        data, scale_t, bias_t, offset, nibbles = tiles
+        return data, scale_t, bias_t, offset, 4 if nibbles else 8, sb
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """(T, n_rows) = x (T, n_cols) @ W.T."""

@@ -151,3 +151,44 @@ def test_portable_tile_dot_matches_vnni(nibbles):
         w = codes.reshape(steps, 32, 4).transpose(1, 0, 2).reshape(32, -1)
     expected = w @ x[32:64].astype(np.int32)
     assert np.array_equal(portable, expected) and np.array_equal(fast, expected)
+
+
+LANES_FORMATS = [f.name for f in FORMATS if f.quantized and f.product == "lanes"]
+
+
+@pytest.mark.parametrize("name", LANES_FORMATS)
+def test_lanes_tiles_hold_the_file_size_and_sum_like_the_portable_path(name):
+    """The 32-block formats' tiles (kernels/cpu/lanes.py) take the file's bytes (codes at their
+    width, float16 scales); the AVX-512 loop, the plain-Numba fallback and the widened 5-bit
+    batches give the same bits; and the products match dequantize-then-matmul."""
+    from minillm.kernels.cpu import lanes, layers
+    from minillm.weights import Matrix
+
+    fmt = FORMATS_BY_NAME[name]
+    rng = np.random.default_rng(6)
+    n_rows, cols = 70, 640  # a partial last tile
+    raw = random_blocks(name, n_rows, cols, rng)
+    w = Matrix("w", fmt, raw, n_rows, cols).packed
+    n_tiles = (n_rows + mm.R - 1) // mm.R
+    assert w[0].nbytes == n_tiles * mm.R * cols // fmt.block_size * fmt.type_size
+    x = rng.standard_normal((12, cols)).astype(np.float32)
+    batch = layers.linear(w, x)  # 12 tokens: 5-bit tiles are widened to bytes first
+    one_by_one = np.concatenate([layers.linear(w, x[t:t + 1]) for t in range(12)])
+    assert np.array_equal(batch, one_by_one)
+
+    q, _, _, _, xd, xs, _, xn4 = layers.quantize(x, mm.KIND_IDS[fmt.activation])
+    n_blk, acc, portable = cols // 32, np.empty(9 * mm.R, np.float32), np.empty_like(batch)
+    for t in range(12):
+        for nt in range(n_tiles):
+            w_off = nt * n_blk * lanes.block_bytes(fmt.code_bits, fmt.has_bias)
+            lanes._tile_portable(w[0], w_off, q, t, xd, xs, xn4, n_blk, np.int32(fmt.code_offset), fmt.code_bits,
+                                 fmt.has_bias, acc)
+            a = acc.reshape(9, mm.R)
+            h = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])) + (a[8] if fmt.has_bias else 0)
+            rows = min(mm.R, n_rows - nt * mm.R)
+            portable[t, nt * mm.R:nt * mm.R + rows] = h[:rows]
+    assert np.array_equal(portable, batch)
+
+    x_deq = q.reshape(12, cols).astype(np.float64) * np.repeat(xd, 32, axis=1)
+    expected = x_deq @ reference(fmt, raw, cols).astype(np.float64).T
+    np.testing.assert_allclose(batch, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())

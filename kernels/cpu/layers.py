@@ -2,10 +2,11 @@
 decode step costs one Python -> Numba call per layer instead of one per operation.
 
 A weight matrix travels as one tuple of uniform type (see minillm/weights.py):
-    (data uint8 (flat tiles), scale (NT, K/G, R), bias (NT, K/G or 0, R), code offset, nibbles,
-     fweight (N, K) float32, n_rows, group, kind, float_format)
-quantized formats use data/scale/bias with kind >= 0; float formats (F32/F16/BF16) use fweight,
-kind = -1 and float_format 0/1/2.
+    (data uint8 (flat tiles), scale (NT, K/G, R), bias (NT, K/G or 0, R), code offset, code bits,
+     fweight (N, K) float32, n_rows, group, kind, float_format, sb, product)
+quantized formats use data (and, but for the 32-block "lanes" formats whose scales live in
+data, scale/bias) with kind >= 0; float formats (F32/F16/BF16) use fweight, kind = -1 and
+float_format 0/1/2.
 """
 import numba as nb
 import numpy as np
@@ -13,8 +14,8 @@ import numpy as np
 from . import ops
 from .attention import attention
 from .f16 import f16_round
-from .matmul import (PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, qmatmul_lanes, qmatmul_lanes3, qmatmul_q4_k,
-                     qmatmul_q6_k, qmatmul_tiles, quantize_act)
+from .lanes import qmatmul_lanes, qmatmul_lanes3
+from .matmul import KIND_Q8_1, PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, qmatmul_q4_k, qmatmul_q6_k, qmatmul_tiles, quantize_act
 
 FLOAT_F32, FLOAT_F16, FLOAT_BF16 = 0, 1, 2
 _SPLIT_BF16 = np.float32(65537.0)  # 2^(24-8) + 1: keeps bfloat16's 8 significant bits
@@ -80,7 +81,7 @@ def _round_to_format(x, fmt):
 @nb.njit(**_SER)
 def _apply(w, x, act):
     """out (T, N) = x @ W.T with act = quantize(x, W's kind) (unused for float weights)."""
-    data, scale, bias, offset, nibbles, fweight, n_rows, group, kind, float_format, sb, product = w
+    data, scale, bias, offset, bits, fweight, n_rows, group, kind, float_format, sb, product = w
     T = x.shape[0]
     out = np.empty((T, n_rows), np.float32)
     if kind < 0:
@@ -88,15 +89,15 @@ def _apply(w, x, act):
         return out
     q, d16, s16, n16, d32, s32, n32, n4 = act
     if product == PRODUCT_LANES:
-        qmatmul_lanes(data, scale, bias, offset, nibbles, q, d32, s32, n4, out)
+        qmatmul_lanes(data, bits, kind == KIND_Q8_1, offset, q, d32, s32, n4, out)
     elif product == PRODUCT_Q4_K:
         qmatmul_q4_k(data, scale, bias, sb, q, d32, n32, out)
     elif product == PRODUCT_Q6_K:
         qmatmul_q6_k(data, scale, sb, q, d32, n4, n16, out)
     elif group == 16:
-        qmatmul_tiles(data, scale, bias, group, offset, nibbles, q, d16, s16, n16, out)
+        qmatmul_tiles(data, scale, bias, group, offset, bits == 4, q, d16, s16, n16, out)
     else:
-        qmatmul_tiles(data, scale, bias, group, offset, nibbles, q, d32, s32, n32, out)
+        qmatmul_tiles(data, scale, bias, group, offset, bits == 4, q, d32, s32, n32, out)
     return out
 
 
@@ -122,8 +123,7 @@ def _lanes3(w1, w2, w3, n_mats, x):
     T = x.shape[0]
     o1, o2 = np.empty((T, w1[6]), np.float32), np.empty((T, w2[6]), np.float32)
     o3 = np.empty((T, w3[6] if n_mats == 3 else 0), np.float32)
-    qmatmul_lanes3(w1[0], w1[1], w1[2], w2[0], w2[1], w2[2], w3[0], w3[1], w3[2], n_mats, w1[3], w1[4],
-                   q, d32, s32, n4, o1, o2, o3)
+    qmatmul_lanes3(w1[0], w2[0], w3[0], n_mats, w1[4], w1[8] == KIND_Q8_1, w1[3], q, d32, s32, n4, o1, o2, o3)
     return o1, o2, o3
 
 

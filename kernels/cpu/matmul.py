@@ -22,9 +22,8 @@ import numba as nb
 import numpy as np
 
 from .f16 import f16_round
+from .lanes import aligned_zeros
 from .fma import fma
-from .simd import fma_int_rows, fma_scalar_rows
-from .lanes_gemv import gemv_bytes, gemv_bytes_min, gemv_nibbles, gemv_nibbles_min
 from .q4_k import gemv_q4_k
 from .q6_k import tiled_q6_k_1, tiled_q6_k_4, vec_dot_q6_k
 from .vnni import HAS_VNNI, R, tile_dot, tile_dot4, tile_dot4_nib, tile_dot_nib, tile_lanes
@@ -153,105 +152,6 @@ def qmatmul_tiles(data, scale, bias, G, offset, nibbles, xq, xd, xs, xn, out):
             for tok in range(n_tok):
                 for r in range(min(R, N - n0)):
                     out[t0 + tok, n0 + r] = facc[tok * R + r]
-
-
-@nb.njit(parallel=True, cache=True, nogil=True)
-def qmatmul_lanes(data, scale, bias, offset, nibbles, xq, xd, xs, xn4, out):
-    """out (T, N) = x @ W.T for 32-blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), in exactly the float
-    steps of ggml's x86 vec_dot: per block, dd = d_w * d_x, and 8 lanes (columns 4l..4l+3)
-    each acc[l] = fma(dd, float(lane integer sum), acc[l]); then hsum_float_8(acc), plus
-    summs = sum over blocks of fma(m_w, s_x) for formats with a min. xn4 (T, K/4): sums of
-    the activation codes per 4 columns (to remove the code offset per lane)."""
-    for nt in nb.prange(scale.shape[0]):
-        _lanes_tile(data, scale, bias, offset, nibbles, xq, xd, xs, xn4, out, nt)
-
-
-@nb.njit(parallel=True, cache=True, nogil=True)
-def qmatmul_lanes3(data1, scale1, bias1, data2, scale2, bias2, data3, scale3, bias3, n_mats, offset, nibbles,
-                   xq, xd, xs, xn4, out1, out2, out3):
-    """qmatmul_lanes for two or three matrices of one format taking the same activations (q/k/v,
-    gate/up) in one parallel region; with n_mats 2 the third is not used."""
-    nt1, nt2 = scale1.shape[0], scale2.shape[0]
-    n_jobs = nt1 + nt2 + (scale3.shape[0] if n_mats == 3 else 0)
-    for job in nb.prange(n_jobs):
-        if job < nt1:
-            _lanes_tile(data1, scale1, bias1, offset, nibbles, xq, xd, xs, xn4, out1, job)
-        elif job < nt1 + nt2:
-            _lanes_tile(data2, scale2, bias2, offset, nibbles, xq, xd, xs, xn4, out2, job - nt1)
-        else:
-            _lanes_tile(data3, scale3, bias3, offset, nibbles, xq, xd, xs, xn4, out3, job - nt1 - nt2)
-
-
-@nb.njit(inline="always", cache=True, nogil=True)
-def _lanes_tile(data, scale, bias, offset, nibbles, xq, xd, xs, xn4, out, nt):
-    """qmatmul_lanes's rows of tile nt, every token."""
-    nblk = scale.shape[1]
-    T, N = out.shape
-    K = nblk * 32
-    block_bytes = 16 * R if nibbles else 32 * R
-    has_min = bias.shape[1] > 0
-    acc = np.empty(4 * 8 * R + R, np.float32)  # (token, lane, row); one token: + summs (row)
-    if HAS_VNNI:  # one token at a time, the whole tile in registers (its weights stay in L1)
-        for t in range(T):
-            _lanes_gemv(data, nt * nblk * block_bytes, scale, bias, nt * nblk * R, xq, t * K, xd, xs, xn4,
-                        t * nblk, nblk, offset, nibbles, has_min, acc)
-            _finish_lanes(acc, has_min, out, t, nt * R)
-        return
-    lanes = np.empty(4 * 8 * R, np.int32)  # (token, lane, row) integer sums of one block
-    summs = np.empty(4 * R, np.float32)    # (token, row)
-    dd = np.empty(R, np.float32)
-    for t0 in range(0, T, 4):
-        n_tok = min(4, T - t0)
-        acc[:] = 0
-        summs[:] = 0
-        for b in range(nblk):
-            start = (nt * nblk + b) * block_bytes
-            if n_tok == 4:
-                tile_lanes(data, start, xq, t0 * K + b * 32, K, 4, nibbles, lanes)
-            else:
-                for tok in range(n_tok):
-                    tile_lanes(data, start, xq, (t0 + tok) * K + b * 32, K, 1, nibbles, lanes[tok * 8 * R:])
-            for tok in range(n_tok):
-                t = t0 + tok
-                if has_min:
-                    fma_scalar_rows(summs, tok * R, bias, (nt * nblk + b) * R, xs[t, b])
-                xdt = xd[t, b]
-                for r in range(R):
-                    dd[r] = scale[nt, b, r] * xdt
-                for l in range(8):
-                    at = (tok * 8 + l) * R
-                    fma_int_rows(acc, at, dd, 0, lanes, at, np.int32(offset) * xn4[t, 8 * b + l])
-        n0 = nt * R
-        for tok in range(n_tok):
-            a = tok * 8 * R
-            for r in range(min(R, N - n0)):
-                h = (((acc[a + r] + acc[a + 4 * R + r]) + (acc[a + 2 * R + r] + acc[a + 6 * R + r]))
-                     + ((acc[a + R + r] + acc[a + 5 * R + r]) + (acc[a + 3 * R + r] + acc[a + 7 * R + r])))
-                out[t0 + tok, n0 + r] = h + summs[tok * R + r] if has_min else h
-
-
-@nb.njit(inline="always", cache=True, nogil=True)
-def _lanes_gemv(data, w_off, scale, bias, sc_off, xq, x_off, xd, xs, xn4, b_off, nblk, offset, nibbles, has_min,
-                out):
-    """lanes_gemv's kernel for this format: out[:8R] the lane accumulators, out[8R:9R] summs."""
-    off = np.int32(offset)
-    if nibbles and has_min:
-        gemv_nibbles_min(data, w_off, scale, bias, sc_off, xq, x_off, xd, xs, xn4, b_off, nblk, off, out)
-    elif nibbles:
-        gemv_nibbles(data, w_off, scale, bias, sc_off, xq, x_off, xd, xs, xn4, b_off, nblk, off, out)
-    elif has_min:
-        gemv_bytes_min(data, w_off, scale, bias, sc_off, xq, x_off, xd, xs, xn4, b_off, nblk, off, out)
-    else:
-        gemv_bytes(data, w_off, scale, bias, sc_off, xq, x_off, xd, xs, xn4, b_off, nblk, off, out)
-
-
-@nb.njit(inline="always", cache=True, nogil=True)
-def _finish_lanes(acc, has_min, out, t, n0):
-    """out[t, n0 + r] = hsum_float_8 of row r's 8 lane accumulators (+ summs)."""
-    for r in range(min(R, out.shape[1] - n0)):
-        h = (((acc[r] + acc[4 * R + r]) + (acc[2 * R + r] + acc[6 * R + r]))
-             + ((acc[R + r] + acc[5 * R + r]) + (acc[3 * R + r] + acc[7 * R + r])))
-        out[t, n0 + r] = h + acc[8 * R + r] if has_min else h
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
@@ -475,7 +375,7 @@ def repack(q: np.ndarray, scale: np.ndarray, bias: np.ndarray, nibble_offset: in
 def empty_tiles(N: int, K: int, n_groups: int, n_bias_groups: int, nibble_offset: int | None):
     NT = (N + R - 1) // R
     nibbles = nibble_offset is not None
-    data = np.zeros(NT * K * R // (2 if nibbles else 1), np.uint8)
+    data = aligned_zeros(NT * K * R // (2 if nibbles else 1))
     scale_t = np.zeros((NT, n_groups, R), np.float32)
     bias_t = np.zeros((NT, n_bias_groups, R), np.float32)
     return data, scale_t, bias_t, nibble_offset if nibbles else 128, nibbles

@@ -32,44 +32,6 @@ def _fma(builder, a, b, c):
 
 
 @intrinsic
-def fma_int_rows(typingctx, acc, acc_off, scale, scale_off, ints, ints_off, shift):
-    """acc[i] = fma(scale[i], float(ints[i] - shift), acc[i]) for 32 consecutive i."""
-    sig = types.void(acc, types.intp, scale, types.intp, ints, types.intp, types.int32)
-
-    def codegen(context, builder, signature, args):
-        acc_a, acc_o, sc_a, sc_o, in_a, in_o, sh = args
-        shift = _splat(builder, sh, _I32X16)
-        for half in range(2):
-            step = ir.Constant(acc_o.type, LANES * half)
-            pa = _ptr(context, builder, signature.args[0], acc_a, builder.add(acc_o, step), _F32X16)
-            ps = _ptr(context, builder, signature.args[2], sc_a, builder.add(sc_o, step), _F32X16)
-            pi = _ptr(context, builder, signature.args[4], in_a, builder.add(in_o, step), _I32X16)
-            x = builder.sitofp(builder.sub(builder.load(pi, align=4), shift), _F32X16)
-            builder.store(_fma(builder, builder.load(ps, align=4), x, builder.load(pa, align=4)), pa, align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def fma_scalar_rows(typingctx, acc, acc_off, w, w_off, s):
-    """acc[i] = fma(w[i], s, acc[i]) for 32 consecutive i."""
-    sig = types.void(acc, types.intp, w, types.intp, types.float32)
-
-    def codegen(context, builder, signature, args):
-        acc_a, acc_o, w_a, w_o, s = args
-        sv = _splat(builder, s, _F32X16)
-        for half in range(2):
-            step = ir.Constant(acc_o.type, LANES * half)
-            pa = _ptr(context, builder, signature.args[0], acc_a, builder.add(acc_o, step), _F32X16)
-            pw = _ptr(context, builder, signature.args[2], w_a, builder.add(w_o, step), _F32X16)
-            builder.store(_fma(builder, builder.load(pw, align=4), sv, builder.load(pa, align=4)), pa, align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
 def fma_product_rows(typingctx, acc, acc_off, a, a_off, b, b_off):
     """acc[i] = fma(a[i], b[i], acc[i]) for 32 consecutive i."""
     sig = types.void(acc, types.intp, a, types.intp, b, types.intp)
