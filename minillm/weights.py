@@ -49,8 +49,9 @@ class Matrix:
 
     def _pack_lanes(self, fmt, raw, n_rows, n_cols, release):
         data = lanes.empty_lanes(n_rows, n_cols, fmt.code_bits, fmt.has_bias)
-        for row0, _, q, scale, bias in self._chunks(fmt, raw, n_rows, n_cols, release):
-            lanes.fill_lanes(data, row0, q, scale, bias, fmt.code_offset, fmt.code_bits)
+        for row0 in range(0, n_rows, mm.CHUNK_ROWS):
+            lanes.fill_lanes(data, row0, raw[row0:row0 + mm.CHUNK_ROWS], fmt)
+            release(row0, row0 + mm.CHUNK_ROWS)
         return data, _NO_SCALES, _NO_SCALES, fmt.code_offset, fmt.code_bits, _NO_SCALES
 
     def _pack_tiles(self, fmt, raw, n_rows, n_cols, release):

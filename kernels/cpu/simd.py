@@ -220,3 +220,17 @@ def fma_chain_64(typingctx, acc, acc_off, m, m_off, m_stride, s, s_off, s_step, 
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def load_u32(typingctx, array, offset):
+    """The little-endian uint32 at byte `offset` of a contiguous uint8 array's data, whatever its
+    alignment (one unaligned load)."""
+    sig = types.uint32(array, types.intp)
+
+    def codegen(context, builder, signature, args):
+        data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=args[0]).data
+        at = builder.bitcast(builder.gep(data, [args[1]]), _I32.as_pointer())
+        return builder.load(at, align=1)
+
+    return sig, codegen
