@@ -15,6 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,48 @@ class TensorInfo:
         for d in self.shape:
             n *= d
         return n
+
+
+LAZY_STRINGS = 1024  # string arrays longer than this (vocabularies, merges) decode on access
+
+
+class StringArray(Sequence):
+    """A long GGUF array of strings, kept as its bytes and decoded on access: a 262,144-token
+    vocabulary takes ~22 MiB as Python strings, which a process that never tokenizes (bench,
+    info) need not hold. Strings that are not UTF-8 decode with surrogateescape."""
+
+    def __init__(self, data: bytes, starts: np.ndarray, ends: np.ndarray):
+        self._data, self._starts, self._ends = data, starts, ends
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self._decode(self._data[self._starts[i]:self._ends[i]])
+
+    def __iter__(self):
+        data, spans = self._data, zip(self._starts.tolist(), self._ends.tolist())
+        try:
+            return iter([data[a:b].decode("utf-8") for a, b in spans])  # all at once: the usual case
+        except UnicodeDecodeError:
+            return (self._decode(data[a:b]) for a, b in zip(self._starts.tolist(), self._ends.tolist()))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, (StringArray, list, tuple)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"StringArray({len(self)} strings)"
+
+    @staticmethod
+    def _decode(raw: bytes) -> str:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return raw.decode("utf-8", errors="surrogateescape")
 
 
 class _Cursor:
@@ -277,11 +320,10 @@ class GGUFFile:
             raise GGUFError(f"metadata '{key}': unknown array element type {etype}")
         raise GGUFError(f"metadata '{key}': unknown value type {vtype}")
 
-    def _read_string_array(self, cur: _Cursor, count: int, key: str) -> list[str]:
+    def _read_string_array(self, cur: _Cursor, count: int, key: str) -> list[str] | StringArray:
         buf, size, pos = self._mmap, self.file_size, cur.pos
         unpack = struct.Struct("<Q").unpack_from
-        out = []
-        append = out.append
+        starts, ends = [], []
         for i in range(count):
             if pos + 8 > size:
                 raise GGUFError(f"truncated file: metadata '{key}' element {i}")
@@ -289,14 +331,13 @@ class GGUFFile:
             pos += 8
             if n > size - pos:
                 raise GGUFError(f"metadata '{key}' element {i}: string length {n} runs past the end of the file")
-            raw = buf[pos:pos + n]
+            starts.append(pos)
             pos += n
-            try:
-                append(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                append(raw.decode("utf-8", errors="surrogateescape"))
+            ends.append(pos)
+        strings = StringArray(bytes(buf[cur.pos:pos]), np.array(starts, np.int64) - cur.pos,
+                              np.array(ends, np.int64) - cur.pos)
         cur.pos = pos
-        return out
+        return strings if count > LAZY_STRINGS else list(strings)
 
     def _check_tensor(self, name: str, shape, ggml_type: int, rel_offset: int) -> TensorInfo:
         if name in self.tensors:

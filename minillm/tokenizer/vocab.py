@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MinillmError
+from ..gguf_file import StringArray
 from .pre_types import pre_type
 
 
@@ -95,8 +96,9 @@ def load_vocab(metadata: dict[str, Any]) -> Vocab:
     merges = metadata.get("tokenizer.ggml.merges", [])
     if model == "gpt2" and not merges:
         raise MinillmError("BPE tokenizer without tokenizer.ggml.merges")
-    if not isinstance(merges, list) or (merges and not isinstance(merges[0], str)):
+    if not _is_strings(merges) and not (isinstance(merges, list) and not merges):
         raise MinillmError("tokenizer.ggml.merges must be an array of strings")
+    merges = list(merges)
 
     token_to_id = dict(zip(texts, range(n_vocab)))  # a repeated text maps to its last id
     special_ids = _read_special_ids(metadata, model, n_vocab)
@@ -119,11 +121,17 @@ def load_vocab(metadata: dict[str, Any]) -> Vocab:
 
 def _read_token_texts(metadata: dict[str, Any]) -> list[str]:
     texts = metadata.get("tokenizer.ggml.tokens")
-    if not isinstance(texts, list) or not texts or not isinstance(texts[0], str):
+    if not _is_strings(texts):
         raise MinillmError("the model has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    texts = list(texts)  # decoded once (see gguf_file.StringArray)
     if "" in texts:  # llama.cpp renames empty tokens so that every text maps back to one id
         texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(texts)]
     return texts
+
+
+def _is_strings(value) -> bool:
+    """A non-empty array of strings: a list, or the loader's lazily decoded StringArray."""
+    return isinstance(value, (list, StringArray)) and len(value) > 0 and isinstance(value[0], str)
 
 
 def _read_array(metadata, key: str, n: int, default, dtype) -> list:
