@@ -1,6 +1,7 @@
 """Quantized matrix products with activations quantized at run time, as llama.cpp does.
 
-Weights use the uniform layout of minillm.formats, repacked once at load into tiles of
+The 32-block formats (Q4_0..Q8_0) have their own tiles and products (lanes.py). The K-quants
+use the uniform layout of minillm.formats, repacked once at load into tiles of
 R = 32 rows ("rows as lanes"), so that one instruction works on all 32 rows at once:
 
     data  uint8   (NT * K/4 * 4R,) flat: tile nt, column quad k4, row r, byte j holds the code
@@ -22,8 +23,8 @@ import numba as nb
 import numpy as np
 
 from .f16 import f16_round
-from .lanes import aligned_zeros
 from .fma import fma
+from .lanes import aligned_zeros
 from .q4_k import gemv_q4_k
 from .q6_k import tiled_q6_k_1, tiled_q6_k_4, vec_dot_q6_k
 from .vnni import HAS_VNNI, R, tile_dot, tile_dot4, tile_dot4_nib, tile_dot_nib, tile_lanes
