@@ -71,3 +71,20 @@ def test_device_option(tiny_llama):
     out = run("bench", str(tiny_llama), "-p", "4", "-n", "2", "--device", "auto", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["device"] == "cpu"  # no GPU here (or only the simulator)
+
+
+def test_first_run_knows_it_compiles(tiny_llama, tmp_path):
+    """The "Compiling ..." notice shows when Numba's cache (NUMBA_CACHE_DIR included) lacks the
+    layer function, and not once the kernels are cached (the project's cache, which the rest of
+    the suite fills: a second full compile into an empty cache would cost a minute)."""
+    import os
+
+    def kernels_cached(warm_up: str, **env):
+        probe = f"import sys, minillm; m = minillm.load(sys.argv[1]); {warm_up}; print(m.arch.kernels_cached())"
+        out = subprocess.run([sys.executable, "-c", probe, str(tiny_llama)], capture_output=True, text=True,
+                             timeout=600, env=dict(os.environ, **env))
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert kernels_cached("pass", NUMBA_CACHE_DIR=str(tmp_path / "numba-cache")) == "False"
+    assert kernels_cached("m.warm_up()") == "True"

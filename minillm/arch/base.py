@@ -205,16 +205,14 @@ class Transformer:
         return types.FunctionType(fn.__code__, dict(fn.__globals__, ops=ops_module), fn.__name__)
 
     def kernels_cached(self) -> bool:
-        """Whether Numba's on-disk cache already holds this architecture's layer function."""
-        import glob
-        import inspect
-        import os
-
-        fn = self.layer_function.py_func
-        source = inspect.getsourcefile(fn)
-        module = os.path.splitext(os.path.basename(source))[0]
-        pattern = os.path.join(os.path.dirname(source), "__pycache__", f"{module}.{fn.__name__}-*.nbi")
-        return bool(glob.glob(pattern))
+        """Whether Numba's on-disk cache (wherever NUMBA_CACHE_DIR puts it) holds this
+        architecture's layer function for the current source. Numba has no public call for
+        this: its cache index is read the way Numba itself reads it (empty when the file is
+        missing or the source changed since)."""
+        try:
+            return bool(self.layer_function._cache._cache_file._load_index())
+        except (AttributeError, OSError):  # another Numba version: assume the worst, say we compile
+            return False
 
     def layer_args(self, il, tables) -> tuple:
         """The layer function's arguments after (x, w, positions, kv): the rope table, ..."""
