@@ -26,7 +26,7 @@ import numpy as np
 
 from .f16 import f16_round, f16_round_finite
 from .fma import fma
-from .simd import f16_mad_rows, f16_rescale_add_rows, fma_chain_64, fma_product_rows, v_expf_rows
+from .simd import dot_f16_64, f16_mad_rows, f16_rescale_add_rows, fma_chain_64, v_expf_rows
 
 Q_TILE = 64           # query rows per tile, and the batch size from which ggml tiles
 KV_TILE = 64          # cells per tile
@@ -68,36 +68,29 @@ def _ring_start(newest, n_keep, n_slots):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _dot_f16(a, b, acc):
-    """ggml_vec_dot_f16 (AVX-512): 4 accumulators of 16 lanes (acc, 64 scratch floats) over
-    steps of 64 (fma), summed (0+2)+(1+3), then _mm512_reduce_add_ps's halving tree; the rest
-    in double."""
-    acc[:] = 0
-    n64 = a.shape[0] - a.shape[0] % 64
-    for i in range(0, n64, 64):
-        fma_product_rows(acc, 0, a, i, b, i)
-        fma_product_rows(acc, 32, a, i + 32, b, i + 32)
-    for j in range(16):
-        acc[j] = (acc[j] + acc[32 + j]) + (acc[16 + j] + acc[48 + j])
-    for j in range(8):
-        acc[j] = acc[j] + acc[8 + j]
-    for j in range(4):
-        acc[j] = acc[j] + acc[4 + j]
-    total = np.float64((acc[0] + acc[2]) + (acc[1] + acc[3]))
-    for i in range(n64, a.shape[0]):
-        total += np.float64(a[i] * b[i])
+def _dot_f16(k, at, q16):
+    """ggml_vec_dot_f16 (AVX-512) of the D values of the flat cache k from `at` with q16 (D,):
+    the steps of 64 in float32 (simd.dot_f16_64), the rest in double."""
+    D = q16.shape[0]
+    n64 = D - D % 64
+    total = np.float64(dot_f16_64(k, at, q16, 0, n64))
+    for i in range(n64, D):
+        total += np.float64(k[at + i] * q16[i])
     return np.float32(total)
 
 
 @nb.njit(**_SER)
 def _one_chunk(q16, first, last, pos, newest, n_keep, kcache, vcache, kv_pos, kvh, window, scale, acc):
     """Online softmax over cells [first, last) as ggml's one_chunk (newest: the batch's last
-    position): acc (D,) the f16-rounded, unnormalized V sum; returns (running max M, sum S)."""
+    position): acc (D,) the f16-rounded, unnormalized V sum; returns (running max M, sum S).
+    The caches are read through flat views by offset: a view per cell (kcache[slot, kvh])
+    would cost two atomic reference counts a cell."""
     m = np.float32(-np.inf)
     s_sum = np.float32(0.0)
     acc[:] = 0
-    scratch = np.empty(64, np.float32)
-    ring_start = _ring_start(newest, n_keep, kcache.shape[0])
+    S, H, D = kcache.shape
+    k, v = kcache.reshape(S * H * D), vcache.reshape(S * H * D)
+    ring_start = _ring_start(newest, n_keep, S)
     cell = max(first, _first_cell(pos, window))
     end = min(last, pos + 1)
     while cell < end:
@@ -106,39 +99,46 @@ def _one_chunk(q16, first, last, pos, newest, n_keep, kcache, vcache, kv_pos, kv
             continue
         c = cell
         cell += 1
-        slot = _slot(c, n_keep, kcache.shape[0])
+        slot = _slot(c, n_keep, S)
         if not _visible(c, slot, kv_pos, pos, window):
             continue
-        score = _dot_f16(kcache[slot, kvh], q16, scratch) * scale
-        v = vcache[slot, kvh]
+        at = (slot * H + kvh) * D
+        score = _dot_f16(k, at, q16) * scale
         if score > m:
             ms = np.float32(math.exp(m - score))
             m = score
-            D = acc.shape[0]
-            if D % 32 == 0:  # ggml_vec_scale_f16, then ggml_vec_mad_f16 with 1
-                for d in range(0, D, 32):
-                    f16_rescale_add_rows(acc, d, v, d, ms)
-            else:
-                for d in range(D):
-                    acc[d] = f16_round_finite(v[d] + f16_round_finite(acc[d] * ms))
+            _rescale_add_f16(acc, v, at, ms)
             s_sum = fma(s_sum, ms, np.float32(1.0))
         else:
             vs = np.float32(math.exp(score - m))
-            _mad_f16(acc, v, vs)
+            _mad_f16(acc, v, at, vs)
             s_sum = s_sum + vs
     return m, s_sum
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _mad_f16(acc, v, vs):
-    """ggml_vec_mad_f16: acc = f16(fma(v, vs, acc)), the sum kept in float16."""
+def _rescale_add_f16(acc, v, at, ms):
+    """ggml_vec_scale_f16, then ggml_vec_mad_f16 with 1: acc = f16(v + f16(acc * ms)), v the D
+    values of the flat cache from `at`."""
     D = acc.shape[0]
     if D % 32 == 0:
         for d in range(0, D, 32):
-            f16_mad_rows(acc, d, v, d, vs)
+            f16_rescale_add_rows(acc, d, v, at + d, ms)
     else:
         for d in range(D):
-            acc[d] = f16_round_finite(fma(v[d], vs, acc[d]))
+            acc[d] = f16_round_finite(v[at + d] + f16_round_finite(acc[d] * ms))
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _mad_f16(acc, v, at, vs):
+    """ggml_vec_mad_f16: acc = f16(fma(v, vs, acc)), the sum kept in float16 (v as above)."""
+    D = acc.shape[0]
+    if D % 32 == 0:
+        for d in range(0, D, 32):
+            f16_mad_rows(acc, d, v, at + d, vs)
+    else:
+        for d in range(D):
+            acc[d] = f16_round_finite(fma(v[at + d], vs, acc[d]))
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

@@ -31,25 +31,6 @@ def _fma(builder, a, b, c):
     return builder.call(fn, [a, b, c])
 
 
-@intrinsic
-def fma_product_rows(typingctx, acc, acc_off, a, a_off, b, b_off):
-    """acc[i] = fma(a[i], b[i], acc[i]) for 32 consecutive i."""
-    sig = types.void(acc, types.intp, a, types.intp, b, types.intp)
-
-    def codegen(context, builder, signature, args):
-        acc_a, acc_o, a_a, a_o, b_a, b_o = args
-        for half in range(2):
-            step = ir.Constant(acc_o.type, LANES * half)
-            pacc = _ptr(context, builder, signature.args[0], acc_a, builder.add(acc_o, step), _F32X16)
-            pa = _ptr(context, builder, signature.args[2], a_a, builder.add(a_o, step), _F32X16)
-            pb = _ptr(context, builder, signature.args[4], b_a, builder.add(b_o, step), _F32X16)
-            builder.store(_fma(builder, builder.load(pa, align=4), builder.load(pb, align=4),
-                               builder.load(pacc, align=4)), pacc, align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 def _f16_round(builder, x):
     """float32 -> nearest float16 (ties to even, as vcvtps2ph) -> float32, 16 lanes."""
     half = builder.fptrunc(x, ir.VectorType(ir.HalfType(), LANES))
@@ -232,5 +213,43 @@ def load_u32(typingctx, array, offset):
         data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=args[0]).data
         at = builder.bitcast(builder.gep(data, [args[1]]), _I32.as_pointer())
         return builder.load(at, align=1)
+
+    return sig, codegen
+
+
+def _halve(builder, v, n):
+    """The first n lanes plus the next n (a 2n-lane vector -> n lanes)."""
+    lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+    hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+    return builder.fadd(lo, hi)
+
+
+@intrinsic
+def dot_f16_64(typingctx, a, a_off, b, b_off, n64):
+    """ggml_vec_dot_f16 (AVX-512) over the first n64 (a multiple of 64) values of a and b, in
+    registers: 4 accumulators of 16 lanes, fma over steps of 64, summed (0 + 2) + (1 + 3), then
+    _mm512_reduce_add_ps's halving tree 16 -> 8 -> 4 and (0 + 2) + (1 + 3). float32."""
+    sig = types.float32(a, types.intp, b, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        a_a, a_o, b_a, b_o, n64 = args
+        c = lambda v: ir.Constant(a_o.type, v)  # noqa: E731
+
+        def body(i, carried):
+            at = builder.mul(i, c(64))
+            return [_fma(builder,
+                         builder.load(_ptr(context, builder, signature.args[0], a_a,
+                                           builder.add(a_o, builder.add(at, c(16 * k))), _F32X16), align=4),
+                         builder.load(_ptr(context, builder, signature.args[2], b_a,
+                                           builder.add(b_o, builder.add(at, c(16 * k))), _F32X16), align=4),
+                         acc)
+                    for k, acc in enumerate(carried)]
+
+        n_steps = builder.sdiv(n64, c(64))
+        acc0, acc1, acc2, acc3 = _loop(builder, n_steps, [ir.Constant(_F32X16, None)] * 4, body)
+        s16 = builder.fadd(builder.fadd(acc0, acc2), builder.fadd(acc1, acc3))
+        s4 = _halve(builder, _halve(builder, s16, 8), 4)
+        lane = lambda j: builder.extract_element(s4, ir.Constant(_I32, j))  # noqa: E731
+        return builder.fadd(builder.fadd(lane(0), lane(2)), builder.fadd(lane(1), lane(3)))
 
     return sig, codegen
