@@ -24,8 +24,9 @@ test: install models
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
+# LLAMA_BENCH=path/to/llama-bench (tests/llama_ref/build.sh builds it): llama.cpp measured beside us
 bench: install models
-	$(PY) -m minillm.benchmarks $(MODELS) --out bench-results.json
+	$(PY) -m minillm.benchmarks $(MODELS) --out bench-results.json $(if $(LLAMA_BENCH),--llama-bench $(LLAMA_BENCH))
 
 # on a machine with an NVIDIA GPU: CUDA tests for real, golden parity and a benchmark on CUDA
 gpu-check: install models

