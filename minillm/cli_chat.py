@@ -36,13 +36,12 @@ def register(app: typer.Typer) -> None:
     ):
         """Chat with a model in the terminal."""
         from .chat import Chat, repl
-        from .model import Model
+        from .cli import load_model
         from .sampling import SamplingParams
 
         params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
                                                    presence_penalty, frequency_penalty, seed))
-        m = Model(model, threads=threads, device=device)
-        m.warm_up(log=lambda text: print(text, file=sys.stderr))
+        m = load_model(model, threads, device)
         session = Chat(m, params, n_predict=n_predict, n_ctx=ctx, system=system,
                        template_path=chat_template, verbose=verbose)
         if not sys.stdin.isatty():

@@ -100,16 +100,15 @@ def register(app: typer.Typer) -> None:
         """Generate text from a prompt (-p, -f or stdin)."""
         import random
 
+        from .cli import load_model
         from .generate import Session
-        from .model import Model
         from .sampling import SamplingParams
 
         text = read_prompt(prompt, file)
         seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
         params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
                                                    presence_penalty, frequency_penalty, seed))
-        m = Model(model, threads=threads, device=device)
-        m.warm_up(log=_err)
+        m = load_model(model, threads, device)
         if chat or system is not None or chat_template is not None:
             messages = ([{"role": "system", "content": system}] if system is not None else [])
             messages.append({"role": "user", "content": text})

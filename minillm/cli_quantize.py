@@ -72,6 +72,8 @@ def quantize_command(
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from .quantize import quantize
 
+    gc.enable()  # off while the CLI starts (cli.main); a quantize run is long
+
     # SIGTERM ends the run like Ctrl-C: through the clean-up path (only the main thread may set it)
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main else None

@@ -88,3 +88,20 @@ def test_first_run_knows_it_compiles(tiny_llama, tmp_path):
 
     assert kernels_cached("pass", NUMBA_CACHE_DIR=str(tmp_path / "numba-cache")) == "False"
     assert kernels_cached("m.warm_up()") == "True"
+
+
+def test_collector_is_off_while_starting_and_back_after():
+    """cli.main turns Python's cycle collector off for the start (full collections over Numba's
+    objects cost tens of ms); load_model turns it back on, the start's objects frozen."""
+    import gc
+
+    from minillm import cli
+
+    gc.disable()
+    try:
+        m = cli.load_model(model_path("smollm2"), None, "cpu")
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+        assert m.tokenizer is m.tokenizer  # built once, during the start
+    finally:
+        gc.unfreeze()
+        gc.enable()
