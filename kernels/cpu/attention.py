@@ -68,28 +68,54 @@ def _ring_start(newest, n_keep, n_slots):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _dot_f16(k, at, q16):
-    """ggml_vec_dot_f16 (AVX-512) of the D values of the flat cache k from `at` with q16 (D,):
+def _dot_f16(k, k_at, q, q_at, D):
+    """ggml_vec_dot_f16 (AVX-512) of D values of k from k_at and of q from q_at (flat arrays):
     the steps of 64 in float32 (simd.dot_f16_64), the rest in double."""
-    D = q16.shape[0]
     n64 = D - D % 64
-    total = np.float64(dot_f16_64(k, at, q16, 0, n64))
+    total = np.float64(dot_f16_64(k, k_at, q, q_at, n64))
     for i in range(n64, D):
-        total += np.float64(k[at + i] * q16[i])
+        total += np.float64(k[k_at + i] * q[q_at + i])
     return np.float32(total)
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def _rescale_add_f16(acc, acc_at, v, v_at, ms, D):
+    """ggml_vec_scale_f16, then ggml_vec_mad_f16 with 1: acc = f16(v + f16(acc * ms)) over D
+    values from acc_at and v_at (flat arrays)."""
+    if D % 32 == 0:
+        for d in range(0, D, 32):
+            f16_rescale_add_rows(acc, acc_at + d, v, v_at + d, ms)
+    else:
+        for d in range(D):
+            acc[acc_at + d] = f16_round_finite(v[v_at + d] + f16_round_finite(acc[acc_at + d] * ms))
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _mad_f16(acc, acc_at, v, v_at, vs, D):
+    """ggml_vec_mad_f16: acc = f16(fma(v, vs, acc)), the sum kept in float16 (as above)."""
+    if D % 32 == 0:
+        for d in range(0, D, 32):
+            f16_mad_rows(acc, acc_at + d, v, v_at + d, vs)
+    else:
+        for d in range(D):
+            acc[acc_at + d] = f16_round_finite(fma(v[v_at + d], vs, acc[acc_at + d]))
+
+
 @nb.njit(**_SER)
-def _one_chunk(q16, first, last, pos, newest, n_keep, kcache, vcache, kv_pos, kvh, window, scale, acc):
+def _one_chunk(q16, first, last, pos, newest, n_keep, kcache, vcache, kv_pos, kvh, window, scale, acc, m, s_sum):
     """Online softmax over cells [first, last) as ggml's one_chunk (newest: the batch's last
-    position): acc (D,) the f16-rounded, unnormalized V sum; returns (running max M, sum S).
-    The caches are read through flat views by offset: a view per cell (kcache[slot, kvh])
-    would cost two atomic reference counts a cell."""
-    m = np.float32(-np.inf)
-    s_sum = np.float32(0.0)
-    acc[:] = 0
-    S, H, D = kcache.shape
+    position), for the G heads of q16 (G, D) (f16-rounded queries) that share KV head kvh. Head
+    g's result: acc[g] (D,) the f16-rounded, unnormalized V sum, m[g] the running max, s_sum[g]
+    the sum. Each cell's K and V are read once for the G heads, whose steps are those of ggml
+    one head at a time. The caches and buffers are used through flat views by offset: a view
+    per cell (kcache[slot, kvh]) would cost two atomic reference counts a cell."""
+    G, D = q16.shape
+    S, H = kcache.shape[0], kcache.shape[1]
     k, v = kcache.reshape(S * H * D), vcache.reshape(S * H * D)
+    q, a = q16.reshape(G * D), acc.reshape(G * D)
+    a[:] = 0
+    m[:] = -np.inf
+    s_sum[:] = 0
     ring_start = _ring_start(newest, n_keep, S)
     cell = max(first, _first_cell(pos, window))
     end = min(last, pos + 1)
@@ -103,49 +129,36 @@ def _one_chunk(q16, first, last, pos, newest, n_keep, kcache, vcache, kv_pos, kv
         if not _visible(c, slot, kv_pos, pos, window):
             continue
         at = (slot * H + kvh) * D
-        score = _dot_f16(k, at, q16) * scale
-        if score > m:
-            ms = np.float32(math.exp(m - score))
-            m = score
-            _rescale_add_f16(acc, v, at, ms)
-            s_sum = fma(s_sum, ms, np.float32(1.0))
-        else:
-            vs = np.float32(math.exp(score - m))
-            _mad_f16(acc, v, at, vs)
-            s_sum = s_sum + vs
-    return m, s_sum
+        for g in range(G):
+            score = _dot_f16(k, at, q, g * D, D) * scale
+            if score > m[g]:
+                ms = np.float32(math.exp(m[g] - score))
+                m[g] = score
+                _rescale_add_f16(a, g * D, v, at, ms, D)
+                s_sum[g] = fma(s_sum[g], ms, np.float32(1.0))
+            else:
+                vs = np.float32(math.exp(score - m[g]))
+                _mad_f16(a, g * D, v, at, vs, D)
+                s_sum[g] = s_sum[g] + vs
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _rescale_add_f16(acc, v, at, ms):
-    """ggml_vec_scale_f16, then ggml_vec_mad_f16 with 1: acc = f16(v + f16(acc * ms)), v the D
-    values of the flat cache from `at`."""
-    D = acc.shape[0]
-    if D % 32 == 0:
-        for d in range(0, D, 32):
-            f16_rescale_add_rows(acc, d, v, at + d, ms)
-    else:
+def _heads_per_job(n_jobs_of_one, group):
+    """How many heads of a KV head's group one job takes: the most that still leaves at least
+    a job per thread (shared K/V reads against idle threads)."""
+    per = group
+    while per > 1 and (group % per or n_jobs_of_one // per < SPLIT_PARTS):
+        per -= 1
+    return per
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _queries_f16(q, t, h0, G, D):
+    """The f16-rounded queries of heads h0..h0+G-1 of token t: (G, D)."""
+    q16 = np.empty((G, D), np.float32)
+    for g in range(G):
         for d in range(D):
-            acc[d] = f16_round_finite(v[at + d] + f16_round_finite(acc[d] * ms))
-
-
-@nb.njit(inline="always", cache=True, nogil=True)
-def _mad_f16(acc, v, at, vs):
-    """ggml_vec_mad_f16: acc = f16(fma(v, vs, acc)), the sum kept in float16 (v as above)."""
-    D = acc.shape[0]
-    if D % 32 == 0:
-        for d in range(0, D, 32):
-            f16_mad_rows(acc, d, v, at + d, vs)
-    else:
-        for d in range(D):
-            acc[d] = f16_round_finite(fma(v[at + d], vs, acc[d]))
-
-
-@nb.njit(inline="always", cache=True, nogil=True)
-def _query_f16(q, t, h, D):
-    q16 = np.empty(D, np.float32)
-    for d in range(D):
-        q16[d] = f16_round(q[t, h * D + d])
+            q16[g, d] = f16_round(q[t, (h0 + g) * D + d])
     return q16
 
 
@@ -154,42 +167,69 @@ def _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window,
     T = q.shape[0]
     D = kcache.shape[2]
     group = n_heads // kcache.shape[1]
-    for job in nb.prange(T * n_heads):
-        t, h = job // n_heads, job % n_heads
-        acc = np.empty(D, np.float32)
-        m, s_sum = _one_chunk(_query_f16(q, t, h, D), 0, n_cells, q_pos[t], q_pos[-1], n_keep, kcache, vcache, kv_pos,
-                              h // group, window, scale, acc)
-        inv = np.float32(1.0) / s_sum if s_sum != 0 else np.float32(0.0)
-        for d in range(D):
-            out[t, h * D + d] = acc[d] * inv
+    G = _heads_per_job(T * n_heads, group)
+    n_sets = n_heads // G
+    for job in nb.prange(T * n_sets):
+        t, h0 = job // n_sets, (job % n_sets) * G
+        acc = np.empty((G, D), np.float32)
+        m = np.empty(G, np.float32)
+        s_sum = np.empty(G, np.float32)
+        _one_chunk(_queries_f16(q, t, h0, G, D), 0, n_cells, q_pos[t], q_pos[-1], n_keep, kcache, vcache, kv_pos,
+                   h0 // group, window, scale, acc, m, s_sum)
+        for g in range(G):
+            inv = np.float32(1.0) / s_sum[g] if s_sum[g] != 0 else np.float32(0.0)
+            for d in range(D):
+                out[t, (h0 + g) * D + d] = acc[g, d] * inv
 
 
 @nb.njit(**_PAR)
+def _split_runs(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, n_parts,
+                acc, m, s_sum):
+    """Each run of cells (n_parts equal runs) as a one-chunk pass, for each head: acc (n_parts,
+    H, D), m and s_sum (n_parts, H); a job takes one run and some heads of one KV head."""
+    D = kcache.shape[2]
+    group = n_heads // kcache.shape[1]
+    G = _heads_per_job(n_parts * n_heads, group)
+    n_sets = n_heads // G
+    run = (n_cells + n_parts - 1) // n_parts
+    for job in nb.prange(n_parts * n_sets):
+        part, h0 = job // n_sets, (job % n_sets) * G
+        if part * run >= n_cells:
+            s_sum[part, h0:h0 + G] = 0
+            continue
+        acc_j = np.empty((G, D), np.float32)
+        m_j = np.empty(G, np.float32)
+        s_j = np.empty(G, np.float32)
+        _one_chunk(_queries_f16(q, 0, h0, G, D), part * run, (part + 1) * run, q_pos[0], q_pos[0], n_keep, kcache,
+                   vcache, kv_pos, h0 // group, window, scale, acc_j, m_j, s_j)
+        acc[part, h0:h0 + G] = acc_j
+        m[part, h0:h0 + G] = m_j
+        s_sum[part, h0:h0 + G] = s_j
+
+
+@nb.njit(**_SER)
 def _attend_split(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, n_parts, out):
     """One query: cells cut into n_parts runs, each a one-chunk pass, merged in order as
     ggml_flash_attn_ext_reduce_partials (the compiler fuses the first product of each sum)."""
     D = kcache.shape[2]
-    group = n_heads // kcache.shape[1]
-    run = (n_cells + n_parts - 1) // n_parts
-    for h in nb.prange(n_heads):
-        q16 = _query_f16(q, 0, h, D)
-        acc = np.empty(D, np.float32)
-        total = np.zeros(D, np.float32)
+    acc = np.empty((n_parts, n_heads, D), np.float32)
+    m = np.empty((n_parts, n_heads), np.float32)
+    s_sum = np.empty((n_parts, n_heads), np.float32)
+    _split_runs(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, n_parts, acc, m, s_sum)
+    total = np.empty(D, np.float32)
+    for h in range(n_heads):
+        total[:] = 0
         m_all = np.float32(-np.inf)
         s_all = np.float32(0.0)
         for part in range(n_parts):
-            if part * run >= n_cells:
+            if s_sum[part, h] == 0:
                 continue
-            m, s_sum = _one_chunk(q16, part * run, (part + 1) * run, q_pos[0], q_pos[0], n_keep, kcache, vcache, kv_pos,
-                                  h // group, window, scale, acc)
-            if s_sum == 0:
-                continue
-            m_new = max(m_all, m)
+            m_new = max(m_all, m[part, h])
             scale_old = np.float32(math.exp(m_all - m_new))
-            scale_new = np.float32(math.exp(m - m_new))
+            scale_new = np.float32(math.exp(m[part, h] - m_new))
             for d in range(D):
-                total[d] = fma(total[d], scale_old, acc[d] * scale_new)
-            s_all = fma(s_all, scale_old, s_sum * scale_new)
+                total[d] = fma(total[d], scale_old, acc[part, h, d] * scale_new)
+            s_all = fma(s_all, scale_old, s_sum[part, h] * scale_new)
             m_all = m_new
         inv = np.float32(1.0) / s_all if s_all != 0 else np.float32(1.0)
         for d in range(D):
