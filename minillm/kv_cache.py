@@ -38,9 +38,9 @@ class KVCache:
         self.groups = {name: CacheGroup(size, min(n_keep, size // 2) if name == "global" else 0)
                        for name, size in group_sizes.items()}
         self.layer_groups = layer_groups
-        # per layer: (S, Hkv, D) float32 holding f16-rounded values, S = its group's size
-        self.k = [np.zeros((group_sizes[g], n_head_kv, head_dim), np.float32) for g in layer_groups]
-        self.v = [np.zeros((group_sizes[g], n_head_kv, head_dim), np.float32) for g in layer_groups]
+        # per layer: (S, Hkv, D) uint16, float16 bit patterns (llama.cpp's F16 cache), S = its group's size
+        self.k = [np.zeros((group_sizes[g], n_head_kv, head_dim), np.uint16) for g in layer_groups]
+        self.v = [np.zeros((group_sizes[g], n_head_kv, head_dim), np.uint16) for g in layer_groups]
         self.n_past = 0      # tokens evaluated so far: the next token's logical position
         self._slots = {}     # group -> slots of the batch being evaluated
 

@@ -203,8 +203,8 @@ def test_rope_store_kv_matches_cpu(neox, n_dims):
     want_q, want_k = q.copy(), k.copy()
     cpu_ops.rope(want_q, H, D, n_dims, cos_t, sin_t, neox)
     cpu_ops.rope(want_k, Hkv, D, n_dims, cos_t, sin_t, neox)
-    want_kc = np.zeros((S, Hkv, D), np.float32)
-    want_vc = np.zeros((S, Hkv, D), np.float32)
+    want_kc = np.zeros((S, Hkv, D), np.uint16)  # float16 bit patterns, as the CPU cache holds them
+    want_vc = np.zeros((S, Hkv, D), np.uint16)
     cpu_ops.store_kv(want_k, v, slots, Hkv, D, want_kc, want_vc)
 
     dq, dk = cuda.to_device(q), cuda.to_device(k)
@@ -215,8 +215,9 @@ def test_rope_store_kv_matches_cpu(neox, n_dims):
                       10000.0, 0.5, neox, kc, vc, kv_pos)
     assert_close(to_host(dq), want_q, 1e-6)
     assert_close(to_host(dk), want_k, 1e-6)
-    np.testing.assert_allclose(to_host(kc).astype(np.float32), want_kc, rtol=1e-3)  # at most 1 f16 step
-    np.testing.assert_array_equal(to_host(vc).astype(np.float32), want_vc)
+    np.testing.assert_allclose(to_host(kc).astype(np.float32), want_kc.view(np.float16).astype(np.float32),
+                               rtol=1e-3)  # at most 1 f16 step
+    np.testing.assert_array_equal(to_host(vc).view(np.uint16), want_vc)
     np.testing.assert_array_equal(to_host(kv_pos)[slots], positions)
 
 
@@ -226,8 +227,8 @@ def test_store_kv_without_rope_matches_cpu():
     k = rng.standard_normal((T, Hkv * D)).astype(np.float32)
     v = rng.standard_normal((T, Hkv * D)).astype(np.float32)
     positions, slots = np.array([3, 4], np.int64), np.array([4, 0], np.int64)
-    want_kc = np.zeros((S, Hkv, D), np.float32)
-    want_vc = np.zeros((S, Hkv, D), np.float32)
+    want_kc = np.zeros((S, Hkv, D), np.uint16)
+    want_vc = np.zeros((S, Hkv, D), np.uint16)
     cpu_ops.store_kv(k, v, slots, Hkv, D, want_kc, want_vc)
 
     dk = cuda.to_device(k)
@@ -235,8 +236,8 @@ def test_store_kv_without_rope_matches_cpu():
     vc = cuda.to_device(np.zeros((S, Hkv, D), np.float16))
     kv_pos = cuda.to_device(np.full(S, -1, np.int64))
     gpu.store_kv(dk, cuda.to_device(v), cuda.to_device(positions), cuda.to_device(slots), kc, vc, kv_pos)
-    np.testing.assert_array_equal(to_host(kc).astype(np.float32), want_kc)
-    np.testing.assert_array_equal(to_host(vc).astype(np.float32), want_vc)
+    np.testing.assert_array_equal(to_host(kc).view(np.uint16), want_kc)
+    np.testing.assert_array_equal(to_host(vc).view(np.uint16), want_vc)
     np.testing.assert_array_equal(to_host(dk), k)
     np.testing.assert_array_equal(to_host(kv_pos), [4, -1, -1, -1, 3])
 
@@ -256,7 +257,7 @@ def test_attention_matches_cpu(window):
     kv_pos[37] = -1
     q_pos = np.array([74, 75], np.int64)
     want = np.empty((T, H * D), np.float32)
-    cpu_attention(q, q_pos, kc.astype(np.float32), vc.astype(np.float32), kv_pos, 0, window,
+    cpu_attention(q, q_pos, kc.view(np.uint16), vc.view(np.uint16), kv_pos, 0, window,
                   np.float32(scale), H, want)
 
     out = cuda.device_array((T, H * D), np.float32)

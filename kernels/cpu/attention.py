@@ -13,7 +13,7 @@ padded to a multiple of KV_PAD, the empty ones masked; tiles and thread runs are
 Our rings keep fewer slots, so cell c is read from its slot (`_slot`) when the ring still holds
 it, and is masked otherwise (a forgotten position is outside any window that could see it).
 
-Shapes: q (T, H*D) float32; kcache/vcache (S, Hkv, D) holding f16-rounded values; kv_pos (S,)
+Shapes: q (T, H*D) float32; kcache/vcache (S, Hkv, D) uint16, float16 bit patterns; kv_pos (S,)
 the logical position of each slot (-1: empty); slots [0, n_keep) hold the first positions for
 good, the others a ring (minillm/kv_cache.py).
 A key at position p is visible from a query at position i when p <= i and, with a window w > 0,
@@ -24,7 +24,7 @@ import math
 import numba as nb
 import numpy as np
 
-from .f16 import f16_round, f16_round_finite
+from .f16 import f16_round, f16_round_finite, f16_value
 from .fma import fma
 from .simd import dot_f16_64, f16_mad_rows, f16_rescale_add_rows, fma_chain_64, v_expf_rows
 
@@ -74,7 +74,7 @@ def _dot_f16(k, k_at, q, q_at, D):
     n64 = D - D % 64
     total = np.float64(dot_f16_64(k, k_at, q, q_at, n64))
     for i in range(n64, D):
-        total += np.float64(k[k_at + i] * q[q_at + i])
+        total += np.float64(f16_value(k[k_at + i]) * q[q_at + i])
     return np.float32(total)
 
 
@@ -87,7 +87,7 @@ def _rescale_add_f16(acc, acc_at, v, v_at, ms, D):
             f16_rescale_add_rows(acc, acc_at + d, v, v_at + d, ms)
     else:
         for d in range(D):
-            acc[acc_at + d] = f16_round_finite(v[v_at + d] + f16_round_finite(acc[acc_at + d] * ms))
+            acc[acc_at + d] = f16_round_finite(f16_value(v[v_at + d]) + f16_round_finite(acc[acc_at + d] * ms))
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -98,7 +98,7 @@ def _mad_f16(acc, acc_at, v, v_at, vs, D):
             f16_mad_rows(acc, acc_at + d, v, v_at + d, vs)
     else:
         for d in range(D):
-            acc[acc_at + d] = f16_round_finite(fma(v[v_at + d], vs, acc[acc_at + d]))
+            acc[acc_at + d] = f16_round_finite(fma(f16_value(v[v_at + d]), vs, acc[acc_at + d]))
 
 
 @nb.njit(**_SER)
@@ -286,8 +286,8 @@ def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, sca
                 continue
             for tk in range(KV_TILE):
                 for d in range(D):
-                    kt[d, tk] = kcache[slots[tk], kvh, d] if cached[tk] else np.float32(0.0)
-                    vt[tk, d] = vcache[slots[tk], kvh, d] if cached[tk] else np.float32(0.0)
+                    kt[d, tk] = f16_value(kcache[slots[tk], kvh, d]) if cached[tk] else np.float32(0.0)
+                    vt[tk, d] = f16_value(vcache[slots[tk], kvh, d]) if cached[tk] else np.float32(0.0)
             for hh in range(group):
                 _tile_head(q, t0, rows, kvh * group + hh, kt, vt, kq, seen, scale, m[hh], s_sum[hh], vkq[hh])
         for hh in range(group):

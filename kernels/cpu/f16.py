@@ -76,3 +76,26 @@ def float32_from_bits(typingctx, bits):
         return builder.bitcast(args[0], ir.FloatType())
 
     return sig, codegen
+
+
+@intrinsic
+def f16_bits(typingctx, x):
+    """The float16 bit pattern (uint16) of float16(x), rounded to nearest even: one vcvtps2ph.
+    What the KV cache stores (f16_value(f16_bits(x)) == f16_round(x))."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+@intrinsic
+def f16_value(typingctx, bits):
+    """The float32 value (exact) of the float16 bit pattern `bits` (uint16)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen

@@ -9,7 +9,7 @@ import math
 import numba as nb
 import numpy as np
 
-from .f16 import F16_MIN_NORMAL, f16_bits_of_normal, f16_round, float32_from_bits
+from .f16 import F16_MIN_NORMAL, f16_bits, f16_bits_of_normal, f16_round, float32_from_bits
 from .fma import fma
 from .unpack import F16_TO_F32
 
@@ -197,13 +197,13 @@ def geglu(gate, up, out):
 
 @nb.njit(**_SER)
 def store_kv(k, v, slots, n_kv_heads, head_dim, kcache, vcache):
-    """Write k, v (T, Hkv*D) into cache rows `slots`, rounded to f16 as llama.cpp's F16 cache."""
+    """Write k, v (T, Hkv*D) into cache rows `slots` as float16 bit patterns, llama.cpp's F16 cache."""
     for t in range(k.shape[0]):
         s = slots[t]
         for h in range(n_kv_heads):
             for d in range(head_dim):
-                kcache[s, h, d] = f16_round(k[t, h * head_dim + d])
-                vcache[s, h, d] = f16_round(v[t, h * head_dim + d])
+                kcache[s, h, d] = f16_bits(k[t, h * head_dim + d])
+                vcache[s, h, d] = f16_bits(v[t, h * head_dim + d])
 
 
 @nb.njit(**_PAR)

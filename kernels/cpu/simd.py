@@ -21,6 +21,16 @@ def _ptr(context, builder, array_type, array, offset, vector_type):
     return builder.bitcast(builder.gep(data, [offset]), vector_type.as_pointer())
 
 
+def _load_f32x16(context, builder, array_type, array, offset):
+    """16 consecutive values of a float32 array, or of a uint16 array of float16 bit patterns
+    (the KV cache) widened to float32 (vcvtph2ps), as <16 x float>."""
+    if array_type.dtype == types.uint16:
+        halves = builder.load(_ptr(context, builder, array_type, array, offset, ir.VectorType(ir.IntType(16), LANES)),
+                              align=2)
+        return builder.fpext(builder.bitcast(halves, ir.VectorType(ir.HalfType(), LANES)), _F32X16)
+    return builder.load(_ptr(context, builder, array_type, array, offset, _F32X16), align=4)
+
+
 def _splat(builder, value, vector_type):
     v = builder.insert_element(ir.Constant(vector_type, None), value, ir.Constant(_I32, 0))
     return builder.shuffle_vector(v, ir.Constant(vector_type, None), ir.Constant(_I32X16, [0] * LANES))
@@ -39,7 +49,8 @@ def _f16_round(builder, x):
 
 @intrinsic
 def f16_mad_rows(typingctx, acc, acc_off, v, v_off, s):
-    """ggml_vec_mad_f16 on 32 consecutive values: acc[i] = f16(fma(v[i], s, acc[i]))."""
+    """ggml_vec_mad_f16 on 32 consecutive values: acc[i] = f16(fma(v[i], s, acc[i])) (v float32,
+    or float16 bit patterns)."""
     sig = types.void(acc, types.intp, v, types.intp, types.float32)
 
     def codegen(context, builder, signature, args):
@@ -48,8 +59,8 @@ def f16_mad_rows(typingctx, acc, acc_off, v, v_off, s):
         for half in range(2):
             step = ir.Constant(acc_o.type, LANES * half)
             pa = _ptr(context, builder, signature.args[0], acc_a, builder.add(acc_o, step), _F32X16)
-            pv = _ptr(context, builder, signature.args[2], v_a, builder.add(v_o, step), _F32X16)
-            summed = _fma(builder, builder.load(pv, align=4), sv, builder.load(pa, align=4))
+            vv = _load_f32x16(context, builder, signature.args[2], v_a, builder.add(v_o, step))
+            summed = _fma(builder, vv, sv, builder.load(pa, align=4))
             builder.store(_f16_round(builder, summed), pa, align=4)
         return context.get_dummy_value()
 
@@ -59,7 +70,7 @@ def f16_mad_rows(typingctx, acc, acc_off, v, v_off, s):
 @intrinsic
 def f16_rescale_add_rows(typingctx, acc, acc_off, v, v_off, ms):
     """ggml_vec_scale_f16 then ggml_vec_mad_f16 with 1, on 32 consecutive values:
-    acc[i] = f16(v[i] + f16(acc[i] * ms))."""
+    acc[i] = f16(v[i] + f16(acc[i] * ms)) (v float32, or float16 bit patterns)."""
     sig = types.void(acc, types.intp, v, types.intp, types.float32)
 
     def codegen(context, builder, signature, args):
@@ -68,9 +79,9 @@ def f16_rescale_add_rows(typingctx, acc, acc_off, v, v_off, ms):
         for half in range(2):
             step = ir.Constant(acc_o.type, LANES * half)
             pa = _ptr(context, builder, signature.args[0], acc_a, builder.add(acc_o, step), _F32X16)
-            pv = _ptr(context, builder, signature.args[2], v_a, builder.add(v_o, step), _F32X16)
+            vv = _load_f32x16(context, builder, signature.args[2], v_a, builder.add(v_o, step))
             scaled = _f16_round(builder, builder.fmul(builder.load(pa, align=4), mv))
-            builder.store(_f16_round(builder, builder.fadd(builder.load(pv, align=4), scaled)), pa, align=4)
+            builder.store(_f16_round(builder, builder.fadd(vv, scaled)), pa, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -228,7 +239,8 @@ def _halve(builder, v, n):
 def dot_f16_64(typingctx, a, a_off, b, b_off, n64):
     """ggml_vec_dot_f16 (AVX-512) over the first n64 (a multiple of 64) values of a and b, in
     registers: 4 accumulators of 16 lanes, fma over steps of 64, summed (0 + 2) + (1 + 3), then
-    _mm512_reduce_add_ps's halving tree 16 -> 8 -> 4 and (0 + 2) + (1 + 3). float32."""
+    _mm512_reduce_add_ps's halving tree 16 -> 8 -> 4 and (0 + 2) + (1 + 3). float32. Either array
+    may hold float16 bit patterns (uint16), widened as they load."""
     sig = types.float32(a, types.intp, b, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):
@@ -238,10 +250,8 @@ def dot_f16_64(typingctx, a, a_off, b, b_off, n64):
         def body(i, carried):
             at = builder.mul(i, c(64))
             return [_fma(builder,
-                         builder.load(_ptr(context, builder, signature.args[0], a_a,
-                                           builder.add(a_o, builder.add(at, c(16 * k))), _F32X16), align=4),
-                         builder.load(_ptr(context, builder, signature.args[2], b_a,
-                                           builder.add(b_o, builder.add(at, c(16 * k))), _F32X16), align=4),
+                         _load_f32x16(context, builder, signature.args[0], a_a, builder.add(a_o, builder.add(at, c(16 * k)))),
+                         _load_f32x16(context, builder, signature.args[2], b_a, builder.add(b_o, builder.add(at, c(16 * k)))),
                          acc)
                     for k, acc in enumerate(carried)]
 
