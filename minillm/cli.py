@@ -77,6 +77,7 @@ def bench(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Measure load time, prefill (pp) and decode (tg) speed, like llama-bench."""
+    gc.enable()  # off while commands start (main); bench times no start, and may run long
     from .bench import run_bench
 
     result = run_bench(model, n_prompt, n_gen, reps, threads, log=_err, device=device)
