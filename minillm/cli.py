@@ -102,7 +102,7 @@ _register_commands()
 
 
 def main() -> None:
-    gc.disable()  # until the command has started (load_model; quantize)
+    gc.disable()  # until the command has started: load_model, or at once in bench and quantize
     code = _run_app()
     # Skip the interpreter's teardown: unloading Numba's compiled code takes ~0.2 s and there is
     # nothing left to finish (every file the commands write is closed by now).
