@@ -79,7 +79,21 @@ class StringArray(Sequence):
     info) need not hold. Strings that are not UTF-8 decode with surrogateescape."""
 
     def __init__(self, data: bytes, starts: np.ndarray, ends: np.ndarray):
-        self._data, self._starts, self._ends = data, starts, ends
+        # offsets into data, int32 where they fit (a vocabulary's are 2 MiB instead of 4)
+        offset_type = np.int32 if len(data) < 2**31 else np.int64
+        self._data = data
+        self._starts, self._ends = starts.astype(offset_type), ends.astype(offset_type)
+
+    @classmethod
+    def from_strings(cls, strings) -> "StringArray":
+        """The same strings held as one buffer (each written back as the bytes it decoded from)."""
+        raw = [s.encode("utf-8", "surrogateescape") for s in strings]
+        ends = np.cumsum([len(r) for r in raw], dtype=np.int64)
+        return cls(b"".join(raw), ends - [len(r) for r in raw], ends)
+
+    def buffers(self) -> tuple[bytes, np.ndarray, np.ndarray]:
+        """(data, starts, ends): string i is data[starts[i]:ends[i]]."""
+        return self._data, self._starts, self._ends
 
     def __len__(self) -> int:
         return len(self._starts)
@@ -321,22 +335,18 @@ class GGUFFile:
         raise GGUFError(f"metadata '{key}': unknown value type {vtype}")
 
     def _read_string_array(self, cur: _Cursor, count: int, key: str) -> list[str] | StringArray:
-        buf, size, pos = self._mmap, self.file_size, cur.pos
-        unpack = struct.Struct("<Q").unpack_from
-        starts, ends = [], []
-        for i in range(count):
-            if pos + 8 > size:
-                raise GGUFError(f"truncated file: metadata '{key}' element {i}")
-            n = unpack(buf, pos)[0]
-            pos += 8
-            if n > size - pos:
-                raise GGUFError(f"metadata '{key}' element {i}: string length {n} runs past the end of the file")
-            starts.append(pos)
-            pos += n
-            ends.append(pos)
-        strings = StringArray(bytes(buf[cur.pos:pos]), np.array(starts, np.int64) - cur.pos,
-                              np.array(ends, np.int64) - cur.pos)
-        cur.pos = pos
+        from .kernels.cpu.text import scan_string_array
+
+        starts, ends, failed = scan_string_array(self.buffer, cur.pos, count)
+        if failed >= 0:
+            pos = int(ends[failed - 1]) if failed else cur.pos
+            if pos + 8 > self.file_size:
+                raise GGUFError(f"truncated file: metadata '{key}' element {failed}")
+            raise GGUFError(f"metadata '{key}' element {failed}: string length "
+                            f"{struct.unpack_from('<Q', self._mmap, pos)[0]} runs past the end of the file")
+        end = int(ends[-1]) if count else cur.pos
+        strings = StringArray(bytes(self._mmap[cur.pos:end]), starts - cur.pos, ends - cur.pos)
+        cur.pos = end
         return strings if count > LAZY_STRINGS else list(strings)
 
     def _check_tensor(self, name: str, shape, ggml_type: int, rel_offset: int) -> TensorInfo:

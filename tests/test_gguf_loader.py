@@ -65,6 +65,20 @@ def test_absurd_string_and_array_lengths(tmp_path):
     expect_error(write(tmp_path, arr), "strings is longer")
 
 
+def test_string_arrays_that_run_past_the_end(tmp_path):
+    def string_array(*strings: bytes, count: int):
+        return header(n_kv=1) + gstr(b"a") + struct.pack("<IIQ", 9, 8, count) + b"".join(strings)
+
+    long_length = struct.pack("<Q", 1000)  # a string of 1000 bytes where 64 remain
+    expect_error(write(tmp_path, string_array(gstr(b"xy"), long_length, count=3)),
+                 "metadata 'a' element 1", "string length 1000 runs past the end")
+    # 40 + 64 bytes left hold 13 length fields, but the first string takes 40 of them
+    expect_error(write(tmp_path, string_array(gstr(b"x" * 32), count=13)),
+                 "truncated file: metadata 'a' element 9")
+    g = GGUFFile(write(tmp_path, string_array(gstr(b"x" * 32), gstr("é".encode()), count=2)))
+    assert g.metadata["a"] == ["x" * 32, "é"]
+
+
 def test_unknown_value_and_tensor_types(tmp_path):
     expect_error(write(tmp_path, header(n_kv=1) + gstr(b"k") + struct.pack("<I", 99)), "unknown value type 99")
     expect_error(write(tmp_path, header(n_kv=1) + gstr(b"k") + struct.pack("<IIQ", 9, 77, 1)),

@@ -8,6 +8,7 @@ import random
 import time
 import unicodedata
 
+import numpy as np
 import pytest
 
 from conftest import DATA, MODELS, REPORT
@@ -190,6 +191,30 @@ def test_eos_added_only_with_the_model_defaults():
     assert tok.tokenize("Hello")[-1] == 2 and tok.tokenize("Hello")[0] == 1
     assert 2 not in tok.tokenize("Hello", add_bos=False)
     assert tok.tokenize("Hello", add_bos=False, add_eos=True)[-1] == 2
+
+
+def test_vocab_texts_and_index_from_raw_bytes():
+    """Token texts kept as the file's bytes: lookups by text give the last id of a repeated text,
+    llama.cpp's name for an empty text, and non-UTF-8 tokens under their surrogateescape text."""
+    import zlib
+
+    from minillm.gguf_file import StringArray
+    from minillm.kernels.cpu.text import CRC32_TABLE, crc32
+    from minillm.tokenizer.texts import TextIndex, VocabTexts
+
+    raw = [b"a", b"ab", b"", "\u2581x".encode(), b"\xff\xfe", b"ab", b"abc", b"\xe9"]
+    ends = np.cumsum([len(r) for r in raw])
+    texts = VocabTexts(StringArray(b"".join(raw), ends - [len(r) for r in raw], ends))
+    index = TextIndex(texts)
+    assert texts[2] == "[EMPTY_2]" and texts[3] == "\u2581x" and texts[4] == "\udcff\udcfe"
+    assert [index.get(texts[i]) for i in range(len(raw))] == [0, 5, 2, 3, 4, 5, 6, 7]
+    assert index.get("abcd") is None and "b" not in index and index.get("[EMPTY_1]") is None
+    with pytest.raises(KeyError):
+        index["\ud800"]  # a lone surrogate no token can hold
+    assert texts.chars_before("x") >= {"\u2581"}
+    data = np.frombuffer(bytes(range(256)) * 3, np.uint8)
+    for start, end in ((0, 0), (0, 1), (5, 300), (0, 768)):
+        assert crc32(data, start, end, CRC32_TABLE) == zlib.crc32(data[start:end].tobytes())
 
 
 def bpe_tokenizer(pre: str = "gpt-2", extra_tokens=()) -> Tokenizer:

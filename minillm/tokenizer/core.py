@@ -23,6 +23,8 @@ import operator
 import re
 from typing import Iterable
 
+import numpy as np
+
 from ..errors import MinillmError
 from .bpe import BpeEncoder, byte_decode
 from .spm import SPACE_MARK, SpmEncoder
@@ -41,8 +43,9 @@ class SpecialTokenSplitter:
 
     def __init__(self, vocab: Vocab):
         texts = vocab.texts
-        ids = [i for i, t in enumerate(vocab.types) if t in _SPECIAL_TYPES]
-        ids.sort(key=lambda i: -len(texts[i].encode("utf-8", "surrogatepass")))  # stable
+        types = np.frombuffer(vocab.types, np.int32)
+        ids = np.flatnonzero(np.isin(types, list(_SPECIAL_TYPES))).tolist()
+        ids.sort(key=lambda i: -len(texts[i].encode("utf-8", "surrogateescape")))  # stable
         self._all = [(texts[i], i) for i in ids]
         self._always = [(texts[i], i) for i in ids if vocab.types[i] == TokenType.USER_DEFINED]
         lengths_by_first: dict[str, list[int]] = {}
@@ -113,7 +116,7 @@ class Tokenizer:
         self._is_spm = vocab.model == "llama"
         self._encoder = SpmEncoder(vocab) if self._is_spm else BpeEncoder(vocab)
         self._splitter = SpecialTokenSplitter(vocab)
-        self._pieces: list[bytes | None] = [None] * vocab.n_vocab
+        self._pieces: dict[int, bytes] = {}  # id -> token_piece, filled as ids are seen
 
     @classmethod
     def from_gguf(cls, gguf) -> "Tokenizer":
@@ -213,8 +216,8 @@ class Tokenizer:
         """The bytes token_id contributes to detokenized text (llama.cpp token_to_piece)."""
         token_id = self._check_id(token_id)
         if self.vocab.types[token_id] in _SILENT_TYPES:
-            return self.vocab.texts[token_id].encode("utf-8") if render_special else b""
-        piece = self._pieces[token_id]
+            return self.vocab.texts[token_id].encode("utf-8", "surrogateescape") if render_special else b""
+        piece = self._pieces.get(token_id)
         if piece is None:
             piece = self._pieces[token_id] = self._make_piece(token_id)
         return piece
@@ -223,10 +226,10 @@ class Tokenizer:
         text = self.vocab.texts[token_id]
         token_type = self.vocab.types[token_id]
         if token_type == TokenType.USER_DEFINED:
-            return text.encode("utf-8")
+            return text.encode("utf-8", "surrogateescape")
         if token_type == TokenType.NORMAL:
             if self._is_spm:
-                return text.replace(SPACE_MARK, " ").encode("utf-8")
+                return text.replace(SPACE_MARK, " ").encode("utf-8", "surrogateescape")
             return byte_decode(text)
         if token_type == TokenType.BYTE and self._is_spm:
             return _byte_token_value(text)

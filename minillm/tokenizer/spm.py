@@ -49,9 +49,7 @@ class SpmEncoder:
 
     def _build_cut_pattern(self) -> re.Pattern:
         """A zero-width pattern matching before each "▁" that no token joins to its left."""
-        joined = "\x00".join(self.vocab.texts)
-        before_mark = set(re.findall(f"(.)(?={SPACE_MARK})", joined, re.DOTALL))
-        before_mark.add("\x00")
+        before_mark = self.vocab.texts.chars_before(SPACE_MARK) | {"\x00"}  # never an empty class
         excluded = "".join(re.escape(ch) for ch in sorted(before_mark))
         return re.compile(f"(?<=[^{excluded}])(?={SPACE_MARK})")
 

@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import MinillmError
 from ..gguf_file import StringArray
 from .pre_types import pre_type
+from .texts import TextIndex, VocabTexts
 
 
 class TokenType(IntEnum):
@@ -65,11 +66,11 @@ class Vocab:
 
     model: str                        # tokenizer.ggml.model: "gpt2" (BPE) or "llama" (SPM)
     pre: str                          # tokenizer.ggml.pre ("default" when absent)
-    texts: list[str]                  # id -> token text as stored in the file
+    texts: VocabTexts                 # id -> token text as stored in the file
     types: array                      # id -> TokenType (after llama.cpp's by-text overrides), int32
     scores: array                     # id -> SPM merge score (0.0 when the file has none), float32
     merges: list[str]                 # BPE merges "left right", rank = position
-    token_to_id: dict[str, int]
+    token_to_id: TextIndex            # text -> id
     special_ids: dict[str, int | None]
     eog_ids: set[int]
     add_bos: bool
@@ -100,7 +101,7 @@ def load_vocab(metadata: dict[str, Any]) -> Vocab:
         raise MinillmError("tokenizer.ggml.merges must be an array of strings")
     merges = list(merges)
 
-    token_to_id = dict(zip(texts, range(n_vocab)))  # a repeated text maps to its last id
+    token_to_id = TextIndex(texts)
     special_ids = _read_special_ids(metadata, model, n_vocab)
     eog_ids = _detect_by_text(token_to_id, types, special_ids)
     is_spm = model == "llama"
@@ -119,14 +120,11 @@ def load_vocab(metadata: dict[str, Any]) -> Vocab:
     )
 
 
-def _read_token_texts(metadata: dict[str, Any]) -> list[str]:
+def _read_token_texts(metadata: dict[str, Any]) -> VocabTexts:
     texts = metadata.get("tokenizer.ggml.tokens")
     if not _is_strings(texts):
         raise MinillmError("the model has no tokenizer vocabulary (tokenizer.ggml.tokens)")
-    texts = list(texts)  # decoded once (see gguf_file.StringArray)
-    if "" in texts:  # llama.cpp renames empty tokens so that every text maps back to one id
-        texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(texts)]
-    return texts
+    return VocabTexts(texts if isinstance(texts, StringArray) else StringArray.from_strings(texts))
 
 
 def _is_strings(value) -> bool:
@@ -173,7 +171,7 @@ def _read_special_ids(metadata, model: str, n_vocab: int) -> dict[str, int | Non
     return ids
 
 
-def _detect_by_text(token_to_id: dict[str, int], types: list[int],
+def _detect_by_text(token_to_id: TextIndex, types: array,
                     special_ids: dict[str, int | None]) -> set[int]:
     """Find end-of-generation tokens as llama.cpp does; mark them CONTROL. Returns the EOG set."""
     for name, candidates in (("eot", EOT_TEXTS), ("eom", EOM_TEXTS), ("fim_pad", FIM_PAD_TEXTS),
@@ -194,7 +192,7 @@ def _detect_by_text(token_to_id: dict[str, int], types: list[int],
     return eog
 
 
-def _drop_harmony_end(eog: set[int], token_to_id: dict[str, int], types: list[int]) -> None:
+def _drop_harmony_end(eog: set[int], token_to_id: TextIndex, types: array) -> None:
     """o200k_harmony: with <|return|> and <|call|> present, <|end|> does not end generation."""
     ids = [token_to_id.get(t) for t in ("<|return|>", "<|call|>", "<|end|>")]
     if all(i is not None and i in eog for i in ids):
