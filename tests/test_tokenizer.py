@@ -200,15 +200,16 @@ def test_vocab_texts_and_index_from_raw_bytes():
 
     from minillm.gguf_file import StringArray
     from minillm.kernels.cpu.text import CRC32_TABLE, crc32
-    from minillm.tokenizer.texts import TextIndex, VocabTexts
+    from minillm.tokenizer.texts import TextIndex, TokenIndex, VocabTexts
 
     raw = [b"a", b"ab", b"", "\u2581x".encode(), b"\xff\xfe", b"ab", b"abc", b"\xe9"]
     ends = np.cumsum([len(r) for r in raw])
     texts = VocabTexts(StringArray(b"".join(raw), ends - [len(r) for r in raw], ends))
-    index = TextIndex(texts)
+    index = TokenIndex(texts)
     assert texts[2] == "[EMPTY_2]" and texts[3] == "\u2581x" and texts[4] == "\udcff\udcfe"
     assert [index.get(texts[i]) for i in range(len(raw))] == [0, 5, 2, 3, 4, 5, 6, 7]
     assert index.get("abcd") is None and "b" not in index and index.get("[EMPTY_1]") is None
+    assert TextIndex(texts.strings, keep_first=True)["ab"] == 1  # as BPE merge ranks count
     with pytest.raises(KeyError):
         index["\ud800"]  # a lone surrogate no token can hold
     assert texts.chars_before("x") >= {"\u2581"}

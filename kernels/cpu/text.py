@@ -65,11 +65,11 @@ def _same_bytes(data, a0, a1, b0, b1):
 
 
 @nb.njit(**_SER)
-def build_text_index(data, starts, ends, table_bits, crc_table):
+def build_text_index(data, starts, ends, table_bits, keep_first, crc_table):
     """An open-addressing table (linear probing) of the strings data[starts[i]:ends[i]]:
     slot_ids int32[2**table_bits] (-1: empty) and slot_hashes uint32[2**table_bits], each string
     at slot crc32 & mask or the first free one after it. Empty strings are left out; a string
-    that occurs twice keeps its last id."""
+    that occurs twice keeps its first id if keep_first, else its last."""
     size = 1 << table_bits
     mask = size - 1
     slot_ids = np.full(size, -1, np.int32)
@@ -87,7 +87,8 @@ def build_text_index(data, starts, ends, table_bits, crc_table):
                 slot_ids[slot] = i
                 break
             if slot_hashes[slot] == h and _same_bytes(data, starts[j], ends[j], a, b):
-                slot_ids[slot] = i
+                if not keep_first:
+                    slot_ids[slot] = i
                 break
             slot = (slot + 1) & mask
     return slot_ids, slot_hashes

@@ -10,6 +10,7 @@ import heapq
 
 from .pre_types import pre_type
 from .pretokenize import PreTokenizer
+from .texts import TextIndex
 from .vocab import Vocab
 
 _MAX_CACHE = 200_000  # words remembered with their ids
@@ -56,7 +57,10 @@ class BpeEncoder:
         self.vocab = vocab
         self.pre = pre_type(vocab.pre)
         self.pre_tokenizer = PreTokenizer(list(self.pre.regexes))
-        self.ranks = _merge_ranks(vocab.merges)
+        # "left right" -> rank; the first of a repeated merge counts (llama.cpp's bpe_ranks).
+        # Symbols never hold a space (GPT-2's byte characters stand for it), so a pair's key
+        # is its merge text, split at the first space after position 0 as llama.cpp does.
+        self.ranks = TextIndex(vocab.merges, keep_first=True)
         self._word_cache: dict[str, tuple[int, ...]] = {}
 
     def encode(self, text: str, output: list[int]) -> None:
@@ -97,7 +101,7 @@ class BpeEncoder:
 
         def queue_pair(left: int, right: int) -> None:
             if left >= 0 and right >= 0:
-                rank = ranks.get((symbols[left], symbols[right]))
+                rank = ranks.get(symbols[left] + " " + symbols[right])
                 if rank is not None:
                     heapq.heappush(heap, (rank, left, right, symbols[left] + symbols[right]))
 
@@ -114,16 +118,6 @@ class BpeEncoder:
             queue_pair(prv[left], left)
             queue_pair(left, nxt[left])
         return [s for s in symbols if s]
-
-
-def _merge_ranks(merges: list[str]) -> dict[tuple[str, str], int]:
-    """(left, right) -> rank, splitting each merge at its first space after position 0."""
-    ranks: dict[tuple[str, str], int] = {}
-    for rank, merge in enumerate(merges):
-        cut = merge.find(" ", 1)
-        if cut >= 0:
-            ranks.setdefault((merge[:cut], merge[cut + 1:]), rank)
-    return ranks
 
 
 def _single_byte_fallback(symbol: str, token_to_id: dict[str, int]) -> list[int]:

@@ -1,7 +1,8 @@
 """A vocabulary's token texts without a Python object per token.
 
-`VocabTexts` (id -> text) decodes a text from the file's bytes when asked; `TextIndex`
-(text -> id) is a hash table built by a Numba kernel over those bytes. Together they hold a
+`VocabTexts` (id -> text) decodes a text from the file's bytes when asked; `TokenIndex`
+(text -> id) is a hash table built by a Numba kernel over those bytes (`TextIndex`, also
+behind BPE merge ranks). Together they hold a
 262,144-token vocabulary in ~10 MiB, where a list of str plus a dict took ~44 MiB and
 ~0.1 s of every start.
 """
@@ -57,49 +58,61 @@ class VocabTexts(Sequence):
 
 
 class TextIndex:
-    """text -> token id over VocabTexts; a text that occurs twice maps to its last id."""
+    """string -> index over a StringArray (a vocabulary's texts, a BPE model's merges)."""
 
-    def __init__(self, texts: VocabTexts):
+    def __init__(self, strings: StringArray, keep_first: bool = False):
+        """A string that occurs twice maps to its first index if keep_first, else its last."""
         from ..kernels.cpu.text import CRC32_TABLE, build_text_index
 
-        self._texts = texts
-        data, starts, ends = texts.strings.buffers()
-        table_bits = max(4, (2 * len(texts) - 1).bit_length())  # at most half full
+        data, starts, ends = strings.buffers()
+        table_bits = max(4, (2 * len(strings) - 1).bit_length())  # at most half full
         ids, hashes = build_text_index(np.frombuffer(data, np.uint8), starts, ends,
-                                       table_bits, CRC32_TABLE)
+                                       table_bits, keep_first, CRC32_TABLE)
         self._mask = (1 << table_bits) - 1
         # memoryviews: indexing one gives a Python int ~3x faster than indexing the ndarray
         self._slot_ids, self._slot_hashes = memoryview(ids), memoryview(hashes)
         self._data, self._starts, self._ends = data, memoryview(starts), memoryview(ends)
-        self._has_empty = bool(np.any(starts == ends))
 
     def get(self, text: str, default=None):
         try:
             key = text.encode("utf-8", "surrogateescape")
-        except UnicodeEncodeError:  # a lone surrogate no token can hold
+        except UnicodeEncodeError:  # a lone surrogate no string can hold
             return default
         h = crc32(key)
         mask, slot_ids, slot_hashes = self._mask, self._slot_ids, self._slot_hashes
         slot = h & mask
         while True:
-            token_id = slot_ids[slot]
-            if token_id < 0:
-                return self._renamed_empty(text, default) if self._has_empty else default
-            if slot_hashes[slot] == h and self._data[self._starts[token_id]:self._ends[token_id]] == key:
-                return token_id
+            index = slot_ids[slot]
+            if index < 0:
+                return self._missing(text, default)
+            if slot_hashes[slot] == h and self._data[self._starts[index]:self._ends[index]] == key:
+                return index
             slot = (slot + 1) & mask
 
-    def _renamed_empty(self, text: str, default):
-        match = _EMPTY.fullmatch(text)
-        if match and int(match[1]) < len(self._texts) and not self._texts.strings[int(match[1])]:
-            return int(match[1])
+    def _missing(self, text: str, default):
         return default
 
     def __contains__(self, text: str) -> bool:
         return self.get(text) is not None
 
     def __getitem__(self, text: str) -> int:
-        token_id = self.get(text)
-        if token_id is None:
+        index = self.get(text)
+        if index is None:
             raise KeyError(text)
-        return token_id
+        return index
+
+
+class TokenIndex(TextIndex):
+    """token text -> id over VocabTexts, "[EMPTY_<id>]" included; a repeated text maps to its
+    last id (llama.cpp's token_to_id)."""
+
+    def __init__(self, texts: VocabTexts):
+        super().__init__(texts.strings)
+        self._strings = texts.strings
+        self._has_empty = bool(np.any(np.equal(*texts.strings.buffers()[1:])))
+
+    def _missing(self, text: str, default):
+        match = _EMPTY.fullmatch(text) if self._has_empty else None
+        if match and int(match[1]) < len(self._strings) and not self._strings[int(match[1])]:
+            return int(match[1])
+        return default

@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import MinillmError
 from ..gguf_file import StringArray
 from .pre_types import pre_type
-from .texts import TextIndex, VocabTexts
+from .texts import TokenIndex, VocabTexts
 
 
 class TokenType(IntEnum):
@@ -69,8 +69,8 @@ class Vocab:
     texts: VocabTexts                 # id -> token text as stored in the file
     types: array                      # id -> TokenType (after llama.cpp's by-text overrides), int32
     scores: array                     # id -> SPM merge score (0.0 when the file has none), float32
-    merges: list[str]                 # BPE merges "left right", rank = position
-    token_to_id: TextIndex            # text -> id
+    merges: StringArray               # BPE merges "left right", rank = position
+    token_to_id: TokenIndex           # text -> id
     special_ids: dict[str, int | None]
     eog_ids: set[int]
     add_bos: bool
@@ -99,9 +99,9 @@ def load_vocab(metadata: dict[str, Any]) -> Vocab:
         raise MinillmError("BPE tokenizer without tokenizer.ggml.merges")
     if not _is_strings(merges) and not (isinstance(merges, list) and not merges):
         raise MinillmError("tokenizer.ggml.merges must be an array of strings")
-    merges = list(merges)
+    merges = _as_string_array(merges)
 
-    token_to_id = TextIndex(texts)
+    token_to_id = TokenIndex(texts)
     special_ids = _read_special_ids(metadata, model, n_vocab)
     eog_ids = _detect_by_text(token_to_id, types, special_ids)
     is_spm = model == "llama"
@@ -124,7 +124,11 @@ def _read_token_texts(metadata: dict[str, Any]) -> VocabTexts:
     texts = metadata.get("tokenizer.ggml.tokens")
     if not _is_strings(texts):
         raise MinillmError("the model has no tokenizer vocabulary (tokenizer.ggml.tokens)")
-    return VocabTexts(texts if isinstance(texts, StringArray) else StringArray.from_strings(texts))
+    return VocabTexts(_as_string_array(texts))
+
+
+def _as_string_array(strings) -> StringArray:
+    return strings if isinstance(strings, StringArray) else StringArray.from_strings(strings)
 
 
 def _is_strings(value) -> bool:
@@ -171,7 +175,7 @@ def _read_special_ids(metadata, model: str, n_vocab: int) -> dict[str, int | Non
     return ids
 
 
-def _detect_by_text(token_to_id: TextIndex, types: array,
+def _detect_by_text(token_to_id: TokenIndex, types: array,
                     special_ids: dict[str, int | None]) -> set[int]:
     """Find end-of-generation tokens as llama.cpp does; mark them CONTROL. Returns the EOG set."""
     for name, candidates in (("eot", EOT_TEXTS), ("eom", EOM_TEXTS), ("fim_pad", FIM_PAD_TEXTS),
@@ -192,7 +196,7 @@ def _detect_by_text(token_to_id: TextIndex, types: array,
     return eog
 
 
-def _drop_harmony_end(eog: set[int], token_to_id: TextIndex, types: array) -> None:
+def _drop_harmony_end(eog: set[int], token_to_id: TokenIndex, types: array) -> None:
     """o200k_harmony: with <|return|> and <|call|> present, <|end|> does not end generation."""
     ids = [token_to_id.get(t) for t in ("<|return|>", "<|call|>", "<|end|>")]
     if all(i is not None and i in eog for i in ids):
