@@ -21,7 +21,7 @@ class Matrix:
     compiled layers take (see kernels/cpu/layers.py):
     32-block formats -> lanes tiles: codes at their width and float16 scales (kernels/cpu/lanes.py);
     K-quants -> int8 codes tiled for the VNNI kernels, with per-group scales/biases (for
-    Q4_K/Q6_K: the integer sub-block scales and mins, and super-block scales `sb`);
+    Q4_K/Q6_K: the integer sub-block scales and mins as int8, and super-block scales `sb`);
     F32/F16/BF16 -> a float32 (n_rows, n_cols) matrix."""
 
     def __init__(self, name: str, fmt: Format, raw: np.ndarray, n_rows: int, n_cols: int, release=None):
@@ -55,9 +55,9 @@ class Matrix:
         return data, _NO_SCALES, _NO_SCALES, fmt.code_offset, fmt.code_bits, _NO_SCALES
 
     def _pack_tiles(self, fmt, raw, n_rows, n_cols, release):
-        tiles = mm.empty_tiles(n_rows, n_cols, n_cols // fmt.group, n_cols // fmt.group if fmt.has_bias else 0,
-                               fmt.nibble_offset)
         integer_scales = fmt.product in _INTEGER_SCALES
+        tiles = mm.empty_tiles(n_rows, n_cols, n_cols // fmt.group, n_cols // fmt.group if fmt.has_bias else 0,
+                               fmt.nibble_offset, np.int8 if integer_scales else np.float32)
         sb = np.zeros(((n_rows + mm.R - 1) // mm.R, 2 * (n_cols // 256) if integer_scales else 0, mm.R), np.float32)
         for row0, chunk, q, scale, bias in self._chunks(fmt, raw, n_rows, n_cols, release):
             if integer_scales:
@@ -65,6 +65,8 @@ class Matrix:
                 mm.tile_floats(chunk_sb, row0, sb)
             mm.fill_tiles(tiles, row0, q, scale, bias)
         data, scale_t, bias_t, offset, nibbles = tiles
+        if integer_scales:  # the tuple's scale slots are float32 3-D for every format (layers.py views them back)
+            scale_t, bias_t = scale_t.view(np.float32), bias_t.view(np.float32)
         return data, scale_t, bias_t, offset, 4 if nibbles else 8, sb
 
     def __call__(self, x: np.ndarray) -> np.ndarray:

@@ -90,10 +90,10 @@ def _apply(w, x, act):
     q, d16, s16, n16, d32, s32, n32, n4 = act
     if product == PRODUCT_LANES:
         qmatmul_lanes(data, bits, kind == KIND_Q8_1, offset, q, d32, s32, n4, out)
-    elif product == PRODUCT_Q4_K:
-        qmatmul_q4_k(data, scale, bias, sb, q, d32, n32, out)
+    elif product == PRODUCT_Q4_K:  # integer scales: int8 bytes in the float32 slots
+        qmatmul_q4_k(data, scale.view(np.int8), bias.view(np.int8), sb, q, d32, n32, out)
     elif product == PRODUCT_Q6_K:
-        qmatmul_q6_k(data, scale, sb, q, d32, n4, n16, out)
+        qmatmul_q6_k(data, scale.view(np.int8), sb, q, d32, n4, n16, out)
     elif group == 16:
         qmatmul_tiles(data, scale, bias, group, offset, bits == 4, q, d16, s16, n16, out)
     else:

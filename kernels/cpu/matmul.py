@@ -161,7 +161,7 @@ def qmatmul_q4_k(data, sc, mins, sb, xq, xd, xn32, out):
     of the batch in whole groups of 4 go through the gemm kernel (one fma per pair of 32-wide
     sub-blocks), the last T % 4 rows through the gemv kernel (one fma per super-block); the
     integer sums sc * sum(q_w q_x) and mins * sum(q_x) are exact, out = acc - acc_min.
-    sc, mins (NT, K/32, R) integers; sb (NT, 2 K/256, R) each super-block's d, dmin."""
+    sc, mins (NT, K/32, R) int8; sb (NT, 2 K/256, R) each super-block's d, dmin."""
     NT, n_sub = sc.shape[0], sc.shape[1]
     T, N = out.shape
     K = n_sub * 32
@@ -226,7 +226,7 @@ def qmatmul_q6_k(data, sc, sb, xq, xd, xn4, xn16, out):
       super-block acc[l] = fma(d_x * d_w, lane sum, acc[l]); then hsum_float_8;
     - larger batches: ggml's "tiled" K-quant kernel, one integer sum S per super-block and
       acc = fma(float(S) * d_w, d_x, acc).
-    Codes stored as q + 96 (= q - 32 + 128); sc (NT, K/16, R) integers; sb (NT, 2 K/256, R)
+    Codes stored as q + 96 (= q - 32 + 128); sc (NT, K/16, R) int8; sb (NT, 2 K/256, R)
     holds d; xn16 (T, K/16) the activation code sums of each 16 columns."""
     NT, n_half = sc.shape[0], sc.shape[1]
     T, N = out.shape
@@ -373,12 +373,14 @@ def repack(q: np.ndarray, scale: np.ndarray, bias: np.ndarray, nibble_offset: in
     return tiles
 
 
-def empty_tiles(N: int, K: int, n_groups: int, n_bias_groups: int, nibble_offset: int | None):
+def empty_tiles(N: int, K: int, n_groups: int, n_bias_groups: int, nibble_offset: int | None,
+                scale_type=np.float32):
+    """scale_type: float32, or int8 for the K-quants' integer sub-block scales and mins."""
     NT = (N + R - 1) // R
     nibbles = nibble_offset is not None
     data = aligned_zeros(NT * K * R // (2 if nibbles else 1))
-    scale_t = np.zeros((NT, n_groups, R), np.float32)
-    bias_t = np.zeros((NT, n_bias_groups, R), np.float32)
+    scale_t = np.zeros((NT, n_groups, R), scale_type)
+    bias_t = np.zeros((NT, n_bias_groups, R), scale_type)
     return data, scale_t, bias_t, nibble_offset if nibbles else 128, nibbles
 
 

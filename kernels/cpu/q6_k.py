@@ -2,7 +2,7 @@
 integer and float accumulators stay in registers (see matmul.qmatmul_q6_k for the arithmetic,
 which these repeat step for step). Tile layout as matmul.py's byte tiles: codes q + 96 (the
 6-bit value plus 96), 128 bytes per 4 columns of the tile's R = 32 rows; sc (NT, K/16, R)
-float32 holding the int8 scales; sb (NT, 2 K/256, R) each super-block's d at even entries.
+int8 scales; sb (NT, 2 K/256, R) each super-block's d at even entries.
 
     vec_dot_q6_k   one token, ggml_vec_dot_q6_K_q8_K's 8 lanes of 4 columns; out (8, R) lane
                    accumulators, summed by the caller with hsum_float_8
@@ -19,6 +19,7 @@ from .vnni import R
 _I8X64 = ir.VectorType(ir.IntType(8), 64)
 _I32 = ir.IntType(32)
 _I32X16 = ir.VectorType(_I32, 16)
+_I8X16 = ir.VectorType(ir.IntType(8), 16)
 _F32X16 = ir.VectorType(ir.FloatType(), 16)
 
 
@@ -56,7 +57,8 @@ class _Emitter:
         return self.b.bitcast(self.splat(self.b.load(p, align=1), _I32X16), _I8X64)
 
     def int_scales(self, arg, offset):
-        return self.b.fptosi(self.vec(arg, offset, _F32X16), _I32X16)
+        """16 int8 sub-block scales at offset, widened to int32."""
+        return self.b.sext(self.vec(arg, offset, _I8X16), _I32X16)
 
     def loop(self, n, init):
         """simd.open_loop: (i, carried, finish) of a loop over [0, n)."""
