@@ -72,18 +72,16 @@ class Model:
 
     def warm_up(self, log=None) -> None:
         """Run one token through the model so that the compiled kernels are ready. On the first
-        run on a machine that compiles them (about a minute): say so, with a spinner. Then
+        run on a machine that compiles them (about a minute): say so, and show progress. Then
         LLVM's pages, idle from here on, go back to the kernel (see memory.py)."""
         if self.backend is not None:
             self.backend.warm_up()
             return
         if log is not None and not self.arch.kernels_cached():
-            from rich.console import Console
+            from .compile_progress import compile_progress
 
-            console = Console(stderr=True)
-            with console.status("Compiling the kernels for this CPU (first run only, about a minute)..."):
+            with compile_progress(log):
                 self.eval([0], self.new_cache(2))
-            log("kernels compiled and cached")
         else:
             self.eval([0], self.new_cache(2))
         release_compiler_pages()

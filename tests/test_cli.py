@@ -90,6 +90,31 @@ def test_first_run_knows_it_compiles(tiny_llama, tmp_path):
     assert kernels_cached("m.warm_up()") == "True"
 
 
+def test_compile_progress_names_what_compiles():
+    """A first run says it compiles and counts Numba's compilations as they finish."""
+    import numba
+
+    from minillm.compile_progress import NOTICE, _CompileCounter, compile_progress
+
+    @numba.njit
+    def inner(x):
+        return x + 1
+
+    @numba.njit
+    def outer(x):
+        return inner(x) * 2
+
+    shown, logged = [], []
+    with compile_progress(logged.append):  # stderr is not a terminal here: start and end lines
+        from numba.core import event
+
+        with event.install_listener("numba:compile", _CompileCounter(shown.append)):
+            assert outer(3) == 8
+    assert logged[0] == f"{NOTICE}..." and logged[1].startswith("kernels compiled and cached (2 functions")
+    assert any(text.endswith("0 done, now " + inner.__qualname__) for text in shown)
+    assert shown[-1] == "Compiling kernels, first run only (~1 min): 2 done"
+
+
 def test_collector_is_off_while_starting_and_back_after():
     """cli.main turns Python's cycle collector off for the start (full collections over Numba's
     objects cost tens of ms); load_model turns it back on, the start's objects frozen."""
