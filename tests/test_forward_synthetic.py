@@ -59,3 +59,17 @@ def test_out_of_vocabulary_ids_are_refused(tmp_path):
     model = minillm.load(sm.write(tmp_path / "m.gguf"))
     with pytest.raises(minillm.MinillmError, match="outside the vocabulary"):
         model.logits([1, sm.n_vocab])
+
+
+@pytest.mark.parametrize("n_kv_heads,n_q_tiles", [(1, 8), (3, 8), (2, 5), (1, 1)])
+def test_tiled_attention_jobs_cover_every_tile_and_balance_two_threads(n_kv_heads, n_q_tiles):
+    """Every (KV head, query tile) is one job; two equal runs of jobs (prange's split over two
+    threads) get nearly equal work, counted in KV tiles read (tile i reads i + 1)."""
+    from minillm.kernels.cpu.attention import Q_TILE, _tiled_job
+
+    n_jobs = n_kv_heads * n_q_tiles
+    jobs = [_tiled_job(j, n_jobs, n_kv_heads) for j in range(n_jobs)]
+    assert sorted(jobs) == [(h, i * Q_TILE) for h in range(n_kv_heads) for i in range(n_q_tiles)]
+    work = [t0 // Q_TILE + 1 for _, t0 in jobs]
+    half = (n_jobs + 1) // 2
+    assert abs(sum(work[:half]) - sum(work[half:])) <= n_q_tiles

@@ -246,6 +246,16 @@ def _reduce16(x, at):
     return (a0 + a2) + (a1 + a3)
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def _tiled_job(job, n_jobs, n_kv_heads):
+    """(KV head, first query row) of a tiled-attention job. A query tile's work grows with its
+    position (causal: tile i reads i + 1 KV tiles), and prange hands each thread one contiguous
+    run of jobs; so jobs alternate from the light and the heavy end of the tiles, and every
+    run of an even length holds pairs of equal total work."""
+    rank = job // 2 if job % 2 == 0 else n_jobs - 1 - job // 2  # in order of work
+    return rank % n_kv_heads, rank // n_kv_heads * Q_TILE
+
+
 @nb.njit(**_PAR)
 def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, out):
     """ggml_compute_forward_flash_attn_ext_tiled: per head, 64 query rows against 64-cell tiles.
@@ -254,8 +264,9 @@ def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, sca
     D = kcache.shape[2]
     group = n_heads // kcache.shape[1]
     n_qt = (T + Q_TILE - 1) // Q_TILE
-    for job in nb.prange(kcache.shape[1] * n_qt):
-        kvh, t0 = job // n_qt, (job % n_qt) * Q_TILE
+    n_jobs = kcache.shape[1] * n_qt
+    for job in nb.prange(n_jobs):
+        kvh, t0 = _tiled_job(job, n_jobs, kcache.shape[1])
         rows = min(Q_TILE, T - t0)
         vkq = np.zeros((group, Q_TILE, D), np.float32)  # per head: unnormalized output rows
         s_sum = np.zeros((group, Q_TILE), np.float32)
