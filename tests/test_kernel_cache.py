@@ -1,0 +1,67 @@
+"""Cached kernels load without parsing their bitcode (kernels/cpu/lazy_cache.py), and a function
+compiled later can still link against one loaded that way."""
+import os
+import subprocess
+import sys
+
+from minillm.kernels.cpu.lazy_cache import elf_defined_symbols
+
+PROBE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import minillm.kernels.cpu  # installs the lazy loading
+import numba
+import cached_mod
+
+assert cached_mod.add_one(1) == 2
+library = cached_mod.add_one.overloads[cached_mod.add_one.signatures[0]].library
+bitcode_left_unparsed = getattr(library, "_minillm_bitcode", None) is not None
+
+@numba.njit
+def twice_plus_two(x):  # compiled now: links add_one's library, parsing its bitcode
+    return cached_mod.add_one(x) * 2
+
+assert twice_plus_two(1) == 4
+print(bitcode_left_unparsed, sum(cached_mod.add_one.stats.cache_hits.values()))
+"""
+
+
+def test_cached_kernel_loads_lazily_and_still_links(tmp_path):
+    (tmp_path / "cached_mod.py").write_text(
+        "import numba\n\n@numba.njit(cache=True)\ndef add_one(x):\n    return x + 1\n")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+
+    def probe():
+        out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], capture_output=True, text=True,
+                             env=env, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    assert probe() == ["False", "0"]  # compiled and cached
+    assert probe() == ["True", "1"]   # loaded from the cache, bitcode untouched until linked
+
+
+def test_elf_symbols_are_the_defined_ones():
+    import llvmlite.binding as llvm
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    module = llvm.parse_assembly("""
+        @table = global [4 x i32] zeroinitializer
+        declare i32 @external_helper(i32)
+        define i32 @probe(i32 %x) {
+          %y = call i32 @external_helper(i32 %x)
+          ret i32 %y
+        }
+        define internal i32 @inner(i32 %x) {
+          ret i32 %x
+        }
+        define i32 @uses_inner(i32 %x) {
+          %y = call i32 @inner(i32 %x)
+          ret i32 %y
+        }""")
+    machine = llvm.Target.from_triple(llvm.get_process_triple()).create_target_machine(codemodel="default")
+    symbols = elf_defined_symbols(machine.emit_object(module))
+    if sys.platform.startswith("linux"):
+        assert {"probe", "uses_inner", "table"} <= symbols and "external_helper" not in symbols
+    assert elf_defined_symbols(b"\xcf\xfa\xed\xfe" + bytes(60)) is None  # Mach-O: Numba's own path
