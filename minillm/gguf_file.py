@@ -88,8 +88,9 @@ class StringArray(Sequence):
     def from_strings(cls, strings) -> "StringArray":
         """The same strings held as one buffer (each written back as the bytes it decoded from)."""
         raw = [s.encode("utf-8", "surrogateescape") for s in strings]
-        ends = np.cumsum([len(r) for r in raw], dtype=np.int64)
-        return cls(b"".join(raw), ends - [len(r) for r in raw], ends)
+        lengths = np.array([len(r) for r in raw], np.int64)
+        ends = np.cumsum(lengths)
+        return cls(b"".join(raw), ends - lengths, ends)
 
     def buffers(self) -> tuple[bytes, np.ndarray, np.ndarray]:
         """(data, starts, ends): string i is data[starts[i]:ends[i]]."""
