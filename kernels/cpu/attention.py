@@ -26,7 +26,7 @@ import numpy as np
 
 from .f16 import f16_round, f16_round_finite, f16_value
 from .fma import fma
-from .simd import dot_f16_64, f16_mad_rows, f16_rescale_add_rows, fma_chain_64, v_expf_rows
+from .simd import dot_f16_64, f16_mad_rows, f16_rescale_add_rows, fma_chain_64, fma_chains_64x2, v_expf_rows
 
 Q_TILE = 64           # query rows per tile, and the batch size from which ggml tiles
 KV_TILE = 64          # cells per tile
@@ -316,11 +316,15 @@ def _tile_head(q, t0, rows, h, kt, vt, kq, seen, scale, m, s_sum, vkq):
     _tile_scores(q, t0, rows, h, kt, kq)
     for tq in range(rows):
         _tile_softmax(kq[tq], seen[tq], scale, tq, m, s_sum, vkq)
-    for tq in range(rows):
-        if D % 64 == 0:  # vkq[tq] = fma(vt[tk], p[tk], vkq[tq]) for tk in order, 64 dims at a time
+    if D % 64 == 0:  # vkq[tq] = fma(vt[tk], p[tk], vkq[tq]) for tk in order, 64 dims at a time
+        for tq in range(0, rows - 1, 2):  # two rows at a time
             for d in range(0, D, 64):
-                fma_chain_64(vkq, tq * D + d, vt, d, D, kq, tq * KV_TILE, 1, KV_TILE)
-            continue
+                fma_chains_64x2(vkq, tq * D + d, D, vt, d, D, kq, tq * KV_TILE, KV_TILE, 1, KV_TILE)
+        if rows % 2:
+            for d in range(0, D, 64):
+                fma_chain_64(vkq, (rows - 1) * D + d, 0, vt, d, D, kq, (rows - 1) * KV_TILE, 0, 1, KV_TILE)
+        return
+    for tq in range(rows):
         for tk in range(KV_TILE):
             p = kq[tq, tk]
             if p == 0:  # fma(v, 0, acc) leaves acc as it is
@@ -334,8 +338,12 @@ def _tile_scores(q, t0, rows, h, kt, kq):
     """kq[tq, tk] = one fma chain over the head dimension (simd_gemm), Q in f32."""
     D = kt.shape[0]
     kq[:] = 0
-    for tq in range(rows):  # kq[tq] = fma(kt[d], q[tq, d], kq[tq]) for d in order
-        fma_chain_64(kq, tq * KV_TILE, kt, 0, KV_TILE, q, (t0 + tq) * q.shape[1] + h * D, 1, D)
+    q_row = q.shape[1]
+    for tq in range(0, rows - 1, 2):  # kq[tq] = fma(kt[d], q[tq, d], kq[tq]) for d in order, two rows at a time
+        fma_chains_64x2(kq, tq * KV_TILE, KV_TILE, kt, 0, KV_TILE, q, (t0 + tq) * q_row + h * D, q_row, 1, D)
+    if rows % 2:
+        tq = rows - 1
+        fma_chain_64(kq, tq * KV_TILE, 0, kt, 0, KV_TILE, q, (t0 + tq) * q_row + h * D, 0, 1, D)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

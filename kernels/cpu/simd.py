@@ -183,35 +183,50 @@ def _loop(builder, n, init, body):
     return finish(body(i, carried))
 
 
-@intrinsic
-def fma_chain_64(typingctx, acc, acc_off, m, m_off, m_stride, s, s_off, s_step, n):
-    """For 64 consecutive acc[acc_off + j]: one fma chain over i in [0, n), in order,
-    acc = fma(m[m_off + i * m_stride + j], s[s_off + i * s_step], acc), kept in registers.
-    Flash attention's tiles: scores (K^T rows times a query's values) and the V sum (V rows
-    times a row's probabilities)."""
-    sig = types.void(acc, types.intp, m, types.intp, types.intp, s, types.intp, types.intp, types.intp)
+def _fma_chains(n_rows):
+    """An intrinsic: for n_rows rows r and 64 consecutive acc[acc_off + r * acc_row + j], one fma
+    chain each over i in [0, n), in order,
+    acc = fma(m[m_off + i * m_stride + j], s[s_off + r * s_row + i * s_step], acc), kept in
+    registers. The rows share each step's loads of m, and two rows give the core 8 independent
+    chains (one row's 4 wait on the fma latency). Flash attention's tiles: scores (K^T rows times
+    a query's values) and the V sum (V rows times a row's probabilities)."""
 
-    def codegen(context, builder, signature, args):
-        acc_a, acc_o, m_a, m_o, m_st, s_a, s_o, s_st, n = args
-        c = lambda v: ir.Constant(acc_o.type, v)  # noqa: E731
-        acc_ptrs = [_ptr(context, builder, signature.args[0], acc_a, builder.add(acc_o, c(16 * k)), _F32X16)
-                    for k in range(4)]
-        init = [builder.load(p, align=4) for p in acc_ptrs]
-        s_data = cgutils.create_struct_proxy(signature.args[5])(context, builder, value=s_a).data
+    @intrinsic
+    def fma_chains(typingctx, acc, acc_off, acc_row, m, m_off, m_stride, s, s_off, s_row, s_step, n):
+        sig = types.void(acc, types.intp, types.intp, m, types.intp, types.intp, s, types.intp, types.intp,
+                         types.intp, types.intp)
 
-        def body(i, carried):
-            sv = _splat(builder, builder.load(builder.gep(s_data, [builder.add(s_o, builder.mul(i, s_st))])),
-                        _F32X16)
-            row = builder.add(m_o, builder.mul(i, m_st))
-            return [_fma(builder, builder.load(_ptr(context, builder, signature.args[2], m_a,
-                                                    builder.add(row, c(16 * k)), _F32X16), align=4), sv, a)
-                    for k, a in enumerate(carried)]
+        def codegen(context, builder, signature, args):
+            acc_a, acc_o, acc_r, m_a, m_o, m_st, s_a, s_o, s_r, s_st, n = args
+            c = lambda v: ir.Constant(acc_o.type, v)  # noqa: E731
+            acc_ptrs = [_ptr(context, builder, signature.args[0], acc_a,
+                             builder.add(builder.add(acc_o, builder.mul(acc_r, c(r))), c(16 * k)), _F32X16)
+                        for r in range(n_rows) for k in range(4)]
+            init = [builder.load(p, align=4) for p in acc_ptrs]
+            s_data = cgutils.create_struct_proxy(signature.args[6])(context, builder, value=s_a).data
 
-        for p, v in zip(acc_ptrs, _loop(builder, n, init, body)):
-            builder.store(v, p, align=4)
-        return context.get_dummy_value()
+            def body(i, carried):
+                row = builder.add(m_o, builder.mul(i, m_st))
+                mv = [builder.load(_ptr(context, builder, signature.args[3], m_a, builder.add(row, c(16 * k)),
+                                        _F32X16), align=4) for k in range(4)]
+                out = []
+                for r in range(n_rows):
+                    at = builder.add(builder.add(s_o, builder.mul(s_r, c(r))), builder.mul(i, s_st))
+                    sv = _splat(builder, builder.load(builder.gep(s_data, [at])), _F32X16)
+                    out += [_fma(builder, mv[k], sv, carried[4 * r + k]) for k in range(4)]
+                return out
 
-    return sig, codegen
+            for p, v in zip(acc_ptrs, _loop(builder, n, init, body)):
+                builder.store(v, p, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return fma_chains
+
+
+fma_chain_64 = _fma_chains(1)
+fma_chains_64x2 = _fma_chains(2)
 
 
 @intrinsic
