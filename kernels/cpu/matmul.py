@@ -25,7 +25,7 @@ import numpy as np
 from .f16 import f16_round
 from .fma import fma
 from .lanes import aligned_zeros
-from .q4_k import gemv_q4_k
+from .q4_k import gemm_row_q4_k, gemv_q4_k
 from .q6_k import tiled_q6_k_1, tiled_q6_k_4, vec_dot_q6_k
 from .vnni import HAS_VNNI, R, tile_dot, tile_dot4, tile_dot4_nib, tile_dot_nib, tile_lanes
 
@@ -177,11 +177,15 @@ def qmatmul_q4_k(data, sc, mins, sb, xq, xd, xn32, out):
         for t0 in range(0, T, 4):
             n_tok = min(4, T - t0)
             gemm = t0 < n_gemm
-            if not gemm and HAS_VNNI:  # the gemv rows: one LLVM loop a token (q4_k.py)
+            if HAS_VNNI:  # one LLVM loop a token (q4_k.py), with the gemm's or the gemv's fmas
                 n0 = nt * R
-                for t in range(t0, T):
-                    gemv_q4_k(data, nt * n_sub * block_bytes, sc, mins, sb, nt, xq, t * K, xd, xn32, t,
-                              n_sub // 8, gemv_out)
+                for t in range(t0, t0 + n_tok):
+                    if gemm:
+                        gemm_row_q4_k(data, nt * n_sub * block_bytes, sc, mins, sb, nt, xq, t * K, xd, xn32, t,
+                                      n_sub // 8, gemv_out)
+                    else:
+                        gemv_q4_k(data, nt * n_sub * block_bytes, sc, mins, sb, nt, xq, t * K, xd, xn32, t,
+                                  n_sub // 8, gemv_out)
                     for r in range(min(R, N - n0)):
                         out[t, n0 + r] = gemv_out[r]
                 continue
