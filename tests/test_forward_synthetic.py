@@ -73,3 +73,21 @@ def test_tiled_attention_jobs_cover_every_tile_and_balance_two_threads(n_kv_head
     work = [t0 // Q_TILE + 1 for _, t0 in jobs]
     half = (n_jobs + 1) // 2
     assert abs(sum(work[:half]) - sum(work[half:])) <= n_q_tiles
+
+
+def test_geglu_reads_ggmls_table_by_the_float16_bits():
+    """gelu(g) * up as ggml with GGML_GELU_FP16: 0 below -10, g above 10, else the f16 table at
+    float16(g)'s bits (rounded to nearest even, subnormals included)."""
+    from minillm.kernels.cpu import ops
+
+    rng = np.random.default_rng(0)
+    every_f16 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+    g = np.concatenate([every_f16[np.isfinite(every_f16)], rng.uniform(-12, 12, 100_000),
+                        rng.uniform(-1e-4, 1e-4, 100_000)]).astype(np.float32).reshape(4, -1)
+    up = rng.uniform(-2, 2, g.shape).astype(np.float32)
+    out = np.empty_like(g)
+    ops.geglu(g, up, out)
+    with np.errstate(over="ignore"):
+        table = ops.GELU_F16[g.astype(np.float16).view(np.uint16)]
+    expected = np.where(g <= -10, np.float32(0), np.where(g >= 10, g, table) * up).astype(np.float32)
+    assert np.array_equal(out.view(np.uint32), expected.view(np.uint32))

@@ -13,7 +13,6 @@ from numba.extending import intrinsic
 
 _F16_MAX = np.float32(65504.0)
 _SUBNORMAL_LIMIT = np.float32(2.0 ** -14)
-F16_MIN_NORMAL = _SUBNORMAL_LIMIT
 _SUBNORMAL_STEP = np.float32(2.0 ** -24)
 _SPLIT = np.float32(8193.0)  # 2^(24-11) + 1: keeps 11 significant bits
 
@@ -47,24 +46,6 @@ def f16_round_finite(x):
     normal = c - (c - x)
     subnormal = (x + _SUBNORMAL_SHIFT) - _SUBNORMAL_SHIFT
     return subnormal if abs(x) < _SUBNORMAL_LIMIT else normal
-
-
-@intrinsic
-def _float32_bits(typingctx, x):
-    """The bits of a float32 as an int32 (a bitcast; Numba has no scalar view)."""
-    sig = types.int32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return sig, codegen
-
-
-@nb.njit(inline="always", cache=True)
-def f16_bits_of_normal(r):
-    """The float16 bit pattern of r, a float32 that holds a normal float16 value exactly."""
-    bits = _float32_bits(r)
-    return ((bits >> 16) & 0x8000) | ((((bits >> 23) & 0xFF) - 112) << 10) | ((bits >> 13) & 0x3FF)
 
 
 @intrinsic

@@ -9,7 +9,7 @@ import math
 import numba as nb
 import numpy as np
 
-from .f16 import F16_MIN_NORMAL, f16_bits, f16_bits_of_normal, f16_round, float32_from_bits
+from .f16 import f16_bits, f16_round, float32_from_bits
 from .fma import fma
 from .unpack import F16_TO_F32
 
@@ -171,12 +171,8 @@ def _geglu_row(gate, up, t, out):
             out[t, j] = 0.0
         elif g >= np.float32(10.0):
             out[t, j] = g * up[t, j]
-        else:
-            r = f16_round(g)
-            if abs(r) >= F16_MIN_NORMAL:  # read ggml's table by the float16 bits of g
-                out[t, j] = GELU_F16[f16_bits_of_normal(r)] * up[t, j]
-            else:
-                out[t, j] = f16_round(gelu_f32(r)) * up[t, j]
+        else:  # ggml's table read by the float16 bits of g (one vcvtps2ph)
+            out[t, j] = GELU_F16[f16_bits(g)] * up[t, j]
 
 
 @nb.njit(**_PAR)

@@ -10,7 +10,7 @@ import heapq
 
 from .pre_types import pre_type
 from .pretokenize import PreTokenizer
-from .texts import TextIndex
+from .texts import TextIndex, TokenIndex
 from .vocab import Vocab
 
 _MAX_CACHE = 200_000  # words remembered with their ids
@@ -120,7 +120,7 @@ class BpeEncoder:
         return [s for s in symbols if s]
 
 
-def _single_byte_fallback(symbol: str, token_to_id: dict[str, int]) -> list[int]:
+def _single_byte_fallback(symbol: str, token_to_id: TokenIndex) -> list[int]:
     """llama.cpp's fallback for a merged symbol missing from the vocabulary: its UTF-8 bytes
     looked up one at a time (only ASCII bytes can match a token); the rest are dropped."""
     ids = []
