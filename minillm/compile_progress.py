@@ -1,13 +1,13 @@
 """What a first run shows while Numba compiles the kernels (about a minute, once per machine).
 
 On a terminal: a spinner line (kept short for 80 columns) with the number of functions compiled
-so far and the one being compiled now, from Numba's "numba:compile" events. Elsewhere (a log, a pipe): a line when it
-starts and one when it ends.
+so far and the one being compiled now, from Numba's "numba:compile" events. Elsewhere (a log, a
+pipe): a line when it starts and one when it ends.
 """
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 from numba.core import event
@@ -45,14 +45,10 @@ def compile_progress(log: Callable[[str], None]):
 
     console = Console(stderr=True)
     start = time.perf_counter()
-    if console.is_terminal:
-        with console.status(f"{NOTICE}...") as status:
-            counter = _CompileCounter(status.update)
-            with event.install_listener("numba:compile", counter):
-                yield
-    else:
+    if not console.is_terminal:
         log(f"{NOTICE}...")
-        counter = _CompileCounter(lambda text: None)
+    with console.status(f"{NOTICE}...") if console.is_terminal else nullcontext() as status:
+        counter = _CompileCounter(status.update if status is not None else lambda text: None)
         with event.install_listener("numba:compile", counter):
             yield
     log(f"kernels compiled and cached ({counter.done} functions, {time.perf_counter() - start:.0f} s)")

@@ -65,7 +65,7 @@ class Matrix:
                 mm.tile_floats(chunk_sb, row0, sb)
             mm.fill_tiles(tiles, row0, q, scale, bias)
         data, scale_t, bias_t, offset, nibbles = tiles
-        if integer_scales:  # the tuple's scale slots are float32 3-D for every format (layers.py views them back)
+        if integer_scales:  # the tuple's scale slots are float32 3-D for all formats: int8 bytes in them
             scale_t, bias_t = scale_t.view(np.float32), bias_t.view(np.float32)
         return data, scale_t, bias_t, offset, 4 if nibbles else 8, sb
 

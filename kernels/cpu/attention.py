@@ -339,7 +339,8 @@ def _tile_scores(q, t0, rows, h, kt, kq):
     D = kt.shape[0]
     kq[:] = 0
     q_row = q.shape[1]
-    for tq in range(0, rows - 1, 2):  # kq[tq] = fma(kt[d], q[tq, d], kq[tq]) for d in order, two rows at a time
+    # kq[tq] = fma(kt[d], q[tq, d], kq[tq]) for d in order, two rows at a time
+    for tq in range(0, rows - 1, 2):
         fma_chains_64x2(kq, tq * KV_TILE, KV_TILE, kt, 0, KV_TILE, q, (t0 + tq) * q_row + h * D, q_row, 1, D)
     if rows % 2:
         tq = rows - 1

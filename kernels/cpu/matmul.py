@@ -168,27 +168,17 @@ def qmatmul_q4_k(data, sc, mins, sb, xq, xd, xn32, out):
     block_bytes = 16 * R
     n_gemm = T - T % 4
     for nt in nb.prange(NT):
+        if HAS_VNNI:
+            _q4_k_tile_vnni(data, sc, mins, sb, xq, xd, xn32, nt, n_gemm, out)
+            continue
         isum = np.empty(4 * R, np.int32)      # (token, row) integer sums of one sub-block
         ipart = np.zeros((4, R), np.int32)    # (token, row) sc-weighted sums not yet added
         mpart = np.zeros((4, R), np.int32)
         acc = np.empty((4, R), np.float32)
         acc_min = np.empty((4, R), np.float32)
-        gemv_out = np.empty(R, np.float32)
         for t0 in range(0, T, 4):
             n_tok = min(4, T - t0)
             gemm = t0 < n_gemm
-            if HAS_VNNI:  # one LLVM loop a token (q4_k.py), with the gemm's or the gemv's fmas
-                n0 = nt * R
-                for t in range(t0, t0 + n_tok):
-                    if gemm:
-                        gemm_row_q4_k(data, nt * n_sub * block_bytes, sc, mins, sb, nt, xq, t * K, xd, xn32, t,
-                                      n_sub // 8, gemv_out)
-                    else:
-                        gemv_q4_k(data, nt * n_sub * block_bytes, sc, mins, sb, nt, xq, t * K, xd, xn32, t,
-                                  n_sub // 8, gemv_out)
-                    for r in range(min(R, N - n0)):
-                        out[t, n0 + r] = gemv_out[r]
-                continue
             acc[:] = 0
             acc_min[:] = 0
             for j in range(n_sub):
@@ -218,6 +208,25 @@ def qmatmul_q4_k(data, sc, mins, sb, xq, xd, xn32, out):
             for tok in range(n_tok):
                 for r in range(min(R, N - n0)):
                     out[t0 + tok, n0 + r] = acc[tok, r] - acc_min[tok, r]
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _q4_k_tile_vnni(data, sc, mins, sb, xq, xd, xn32, nt, n_gemm, out):
+    """qmatmul_q4_k's tile nt through q4_k.py's loop, one token at a time: the gemm's fmas for
+    the first n_gemm rows, the gemv's for the rest."""
+    T, N = out.shape
+    n_sub = sc.shape[1]
+    K = n_sub * 32
+    w_off = nt * n_sub * 16 * R
+    n0 = nt * R
+    row_out = np.empty(R, np.float32)
+    for t in range(T):
+        if t < n_gemm:
+            gemm_row_q4_k(data, w_off, sc, mins, sb, nt, xq, t * K, xd, xn32, t, n_sub // 8, row_out)
+        else:
+            gemv_q4_k(data, w_off, sc, mins, sb, nt, xq, t * K, xd, xn32, t, n_sub // 8, row_out)
+        for r in range(min(R, N - n0)):
+            out[t, n0 + r] = row_out[r]
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)

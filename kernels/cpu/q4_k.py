@@ -1,11 +1,12 @@
 """Q4_K's products for one token against a whole weight tile as one LLVM loop over super-blocks,
 accumulators in registers, with the arithmetic of the repacked q4_K_8x8 gemv (gemv_q4_k) or of
 its gemm (gemm_row_q4_k: the same sums, an fma per pair of sub-blocks; see
-matmul.qmatmul_q4_k). Tile layout: matmul.py's 4-bit tiles (codes 0..15, two a byte: 128 bytes hold columns 8p..8p+3 in the low
-nibbles and 8p+4..8p+7 in the high ones, for the R = 32 rows); sc, mins (NT, K/32, R) int8
-(the 6-bit integers); sb (NT, 2 K/256, R) each super-block's d and dmin. Per super-block:
-I = sum_j sc_j * dot_j and M = sum_j mins_j * sum(x_j) exactly, acc = fma(float(I), d * d_x,
-acc), acc_min = fma(float(M), dmin * d_x, acc_min); out (R,) = acc - acc_min."""
+matmul.qmatmul_q4_k). Tile layout: matmul.py's 4-bit tiles (codes 0..15, two a byte: 128 bytes
+hold columns 8p..8p+3 in the low nibbles and 8p+4..8p+7 in the high ones, for the R = 32 rows);
+sc, mins (NT, K/32, R) int8 (the 6-bit integers); sb (NT, 2 K/256, R) each super-block's d and
+dmin. Per super-block (gemv): I = sum_j sc_j * dot_j and M = sum_j mins_j * sum(x_j) exactly,
+acc = fma(float(I), d * d_x, acc), acc_min = fma(float(M), dmin * d_x, acc_min);
+out (R,) = acc - acc_min."""
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic

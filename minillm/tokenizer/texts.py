@@ -1,10 +1,9 @@
 """A vocabulary's token texts without a Python object per token.
 
 `VocabTexts` (id -> text) decodes a text from the file's bytes when asked; `TokenIndex`
-(text -> id) is a hash table built by a Numba kernel over those bytes (`TextIndex`, also
-behind BPE merge ranks). Together they hold a
-262,144-token vocabulary in ~10 MiB, where a list of str plus a dict took ~44 MiB and
-~0.1 s of every start.
+(text -> id) is a hash table built by a Numba kernel over those bytes (`TextIndex`, also behind
+BPE merge ranks). Together they hold a 262,144-token vocabulary in ~10 MiB, where a list of str
+plus a dict took ~44 MiB and ~0.1 s of every start.
 """
 from __future__ import annotations
 
