@@ -8,7 +8,7 @@ The engine (and Numba) is imported on first use, so the CLI starts fast.
 """
 from .errors import GGUFError, MinillmError, ModelError
 
-__all__ = ["load", "Model", "quantize", "MinillmError", "GGUFError", "ModelError"]
+__all__ = ["load", "Model", "Request", "quantize", "MinillmError", "GGUFError", "ModelError"]
 __version__ = "0.1.0"
 
 
@@ -17,6 +17,10 @@ def __getattr__(name):
         from . import model
 
         return getattr(model, name)
+    if name == "Request":  # a request for Model.scheduler(): prompt, max_tokens, sampling, stop, priority
+        from .scheduler import Request
+
+        return Request
     if name == "quantize":  # a callable package: minillm.quantize(IN, OUT, TYPE, ...)
         import importlib
 

@@ -9,13 +9,13 @@ import numpy as np
 from .model import Model
 
 
-def run_bench(path, n_prompt: int, n_gen: int, reps: int, threads, log=print, device: str = "cpu") -> dict:
+def run_bench(path, n_prompt: int, n_gen: int, reps: int, threads, on_compile=None, device: str = "cpu") -> dict:
     t0 = time.perf_counter()
     model = Model(path, threads=threads, device=device)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     n_ctx = max(n_prompt, n_gen) + 1
-    model.warm_up(log=log)
+    model.warm_up(on_compile)
     model.eval(rng.integers(0, model.n_vocab, size=min(8, n_ctx)), model.new_cache(n_ctx), logits_from=7)
 
     result = {"model": model.path.name, "device": model.device, "threads": model.threads, "load_s": round(load_s, 3),
@@ -44,3 +44,33 @@ def _time_decode(model: Model, rng, n: int) -> float:
     for i in range(n):
         model.eval(ids[i:i + 1], cache)
     return time.perf_counter() - t
+
+
+def run_parallel_bench(path, levels: list[int], n_prompt: int, n_gen: int, threads, on_compile=None,
+                       device: str = "cpu") -> dict:
+    """Aggregate throughput of the batching scheduler with N sequences at once, in
+    llama-batched-bench's terms: every sequence gets n_prompt random tokens, all prompts are
+    evaluated together (S_PP = N * n_prompt / t_pp), then each decodes n_gen tokens, one row a
+    sequence a step (S_TG = N * n_gen / t_tg); greedy, end tokens ignored."""
+    from .sampling import SamplingParams
+    from .scheduler import Request
+
+    model = Model(path, threads=threads, device=device)
+    model.warm_up(on_compile)
+    rng = np.random.default_rng(0)
+    result = {"model": model.path.name, "threads": model.threads, "n_prompt": n_prompt, "n_gen": n_gen,
+              "levels": []}
+    greedy = SamplingParams(temperature=0)
+    for n_seq in levels:
+        scheduler = model.scheduler(parallel=n_seq, n_ctx=n_prompt + n_gen + 2, batch=n_seq * n_prompt)
+        prompts = [rng.integers(0, model.n_vocab, size=n_prompt).tolist() for _ in range(n_seq)]
+        # one extra token each: n_gen decode rows follow the first token, sampled after prefill
+        handles = [scheduler.submit(Request(p, n_gen + 1, greedy, ignore_eos=True)) for p in prompts]
+        t0 = time.perf_counter()
+        scheduler.step()  # every prompt in one forward, first tokens sampled
+        t_pp = time.perf_counter() - t0
+        scheduler.run(handles)
+        t_tg = time.perf_counter() - t0 - t_pp
+        result["levels"].append({"parallel": n_seq, "t_pp": round(t_pp, 4), "s_pp": round(n_seq * n_prompt / t_pp, 2),
+                                 "t_tg": round(t_tg, 4), "s_tg": round(n_seq * n_gen / t_tg, 2)})
+    return result

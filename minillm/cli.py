@@ -27,6 +27,13 @@ def _err(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def compile_notice():
+    """What the warm-up shows while the kernels compile (first run only): see compile_progress."""
+    from .compile_progress import compile_progress
+
+    return compile_progress(_err)
+
+
 def load_model(path: Path, threads: Optional[int], device: str):
     """A command's start: the model loaded and warmed up, its tokenizer built. Python's cycle
     collector is off until then (main): starting creates ~10^5 long-lived objects (Numba's
@@ -36,7 +43,7 @@ def load_model(path: Path, threads: Optional[int], device: str):
 
     try:
         m = Model(path, threads=threads, device=device)
-        m.warm_up(log=_err)
+        m.warm_up(on_compile=compile_notice)
         m.tokenizer  # noqa: B018 (built while the collector is off)
     finally:
         gc.freeze()
@@ -69,18 +76,26 @@ def info(model: Path = ModelArg, as_json: bool = typer.Option(False, "--json", h
 @app.command()
 def bench(
     model: Path = ModelArg,
-    n_prompt: int = typer.Option(512, "-p", "--n-prompt", min=0, max=1 << 16, help="Prompt tokens (prefill)."),
+    n_prompt: Optional[int] = typer.Option(None, "-p", "--n-prompt", min=0, max=1 << 16,
+                                           help="Prompt tokens (prefill) [default: 512; 128 with --parallel]."),
     n_gen: int = typer.Option(128, "-n", "--n-gen", min=0, max=1 << 16, help="Tokens to decode."),
     reps: int = typer.Option(1, "-r", "--reps", min=1, max=100, help="Repetitions (best is reported)."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=1024, help="Threads."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, or auto."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    parallel: Optional[str] = typer.Option(
+        None, "--parallel", help="Sequences at once, e.g. 1,2,4,8,16: aggregate throughput of batched "
+        "generation, as llama-batched-bench (prompt -p, default 128; -n tokens each)."),
 ):
     """Measure load time, prefill (pp) and decode (tg) speed, like llama-bench."""
     gc.enable()  # off while commands start (main); bench times no start, and may run long
+    if parallel is not None:
+        _bench_parallel(model, parallel, 128 if n_prompt is None else n_prompt, n_gen, threads, as_json)
+        return
+    n_prompt = 512 if n_prompt is None else n_prompt
     from .bench import run_bench
 
-    result = run_bench(model, n_prompt, n_gen, reps, threads, log=_err, device=device)
+    result = run_bench(model, n_prompt, n_gen, reps, threads, on_compile=compile_notice, device=device)
     if as_json:
         print(json.dumps(result))
     else:
@@ -89,6 +104,28 @@ def bench(
             print(f"pp{n_prompt}: {result['pp_tokens_per_s']:.1f} tokens/s")
         if n_gen:
             print(f"tg{n_gen}: {result['tg_tokens_per_s']:.1f} tokens/s")
+
+
+def _bench_parallel(model: Path, levels: str, n_prompt: int, n_gen: int, threads, as_json: bool) -> None:
+    from .bench import run_parallel_bench
+
+    try:
+        counts = [int(v) for v in levels.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or not all(1 <= n <= 256 for n in counts):
+        raise typer.BadParameter(f"--parallel takes counts from 1 to 256 separated by commas, not {levels!r}")
+    if n_prompt < 1 or n_gen < 1:
+        raise typer.BadParameter("--parallel needs -p and -n of at least 1")
+    result = run_parallel_bench(model, counts, n_prompt, n_gen, threads, on_compile=compile_notice)
+    if as_json:
+        print(json.dumps(result))
+        return
+    print(f"model {result['model']}  threads {result['threads']}  prompt {n_prompt}  generate {n_gen} a sequence")
+    print(f"{'parallel':>8} {'t_pp s':>8} {'S_PP t/s':>9} {'t_tg s':>8} {'S_TG t/s':>9}")
+    for level in result["levels"]:
+        print(f"{level['parallel']:>8} {level['t_pp']:>8.3f} {level['s_pp']:>9.1f} {level['t_tg']:>8.3f} "
+              f"{level['s_tg']:>9.1f}")
 
 
 def _register_commands() -> None:

@@ -96,13 +96,36 @@ def register(app: typer.Typer) -> None:
         beams: int = typer.Option(1, "--beams", min=1, max=64, help="Beam search with N beams (not streamed)."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Timings and notices on stderr."),
+        batch_file: Optional[Path] = typer.Option(
+            None, "--batch-file", help="Run the requests of a JSONL file ('-': stdin) together: one JSON "
+            "result line each, in order."),
+        parallel: int = typer.Option(4, "--parallel", min=1, max=256, help="With --batch-file: sequences at once."),
+        batch: int = typer.Option(128, "--batch", min=1, max=1 << 16,
+                                  help="With --batch-file: prompt tokens evaluated a step, at most."),
     ):
-        """Generate text from a prompt (-p, -f or stdin)."""
+        """Generate text from a prompt (-p, -f or stdin), or for every line of --batch-file."""
         import random
 
         from .cli import load_model
         from .generate import Session
         from .sampling import SamplingParams
+
+        if batch_file is not None:
+            if prompt is not None or file is not None or beams > 1 or truncate:
+                raise typer.BadParameter("--batch-file takes its prompts from the file: no -p, -f, --beams "
+                                         "or --truncate")
+            params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
+                                                       presence_penalty, frequency_penalty, seed))
+            m = load_model(model, threads, "cpu" if device == "auto" else device)
+            chat_messages = None
+            if chat or system is not None:
+                def chat_messages(text):
+                    return ([{"role": "system", "content": system}] if system is not None else []) + [
+                        {"role": "user", "content": text}]
+            from .cli_batch import run_batch_file
+
+            defaults = dict(max_tokens=n_predict, sampling=params, stop=stop, ignore_eos=ignore_eos)
+            raise typer.Exit(run_batch_file(m, batch_file, parallel, ctx, batch, defaults, chat_messages))
 
         text = read_prompt(prompt, file)
         seed = seed if seed is not None else random.SystemRandom().randrange(2**31)

@@ -1,4 +1,4 @@
-"""What a first run shows while Numba compiles the kernels (about a minute, once per machine).
+"""What a first run shows while Numba compiles the kernels (a few minutes, once per machine).
 
 On a terminal: a spinner line (kept short for 80 columns) with the number of functions compiled
 so far and the one being compiled now, from Numba's "numba:compile" events. Elsewhere (a log, a
@@ -12,7 +12,7 @@ from typing import Callable
 
 from numba.core import event
 
-NOTICE = "Compiling the kernels for this CPU (first run only, about a minute)"
+NOTICE = "Compiling the kernels for this CPU (first run only, a few minutes)"
 
 
 class _CompileCounter(event.Listener):
@@ -35,7 +35,7 @@ class _CompileCounter(event.Listener):
 
     def _update(self) -> None:
         now = f", now {self._stack[-1]}" if self._stack else ""
-        self._show(f"Compiling kernels, first run only (~1 min): {self.done} done{now}")
+        self._show(f"Compiling kernels, first run only: {self.done} done{now}")
 
 
 @contextmanager

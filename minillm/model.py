@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numba
@@ -70,19 +71,17 @@ class Model:
         self._tokenizer = None
         self.load_seconds = time.perf_counter() - t0
 
-    def warm_up(self, log=None) -> None:
-        """Run one token through the model so that the compiled kernels are ready. On the first
-        run on a machine that compiles them (about a minute): say so, and show progress. Then
-        LLVM's pages, idle from here on, go back to the kernel (see memory.py)."""
+    def warm_up(self, on_compile=None) -> None:
+        """Run one token through the model so that the compiled kernels are ready, then hand
+        LLVM's pages, idle from here on, back to the kernel (see memory.py). The first run on a
+        machine compiles the kernels (a few minutes): then the warm-up runs inside
+        `on_compile()`, a context manager the caller supplies to show progress (the CLI's
+        spinner); the engine itself never draws."""
         if self.backend is not None:
             self.backend.warm_up()
             return
-        if log is not None and not self.arch.kernels_cached():
-            from .compile_progress import compile_progress
-
-            with compile_progress(log):
-                self.eval([0], self.new_cache(2))
-        else:
+        compiling = on_compile() if on_compile is not None and not self.arch.kernels_cached() else nullcontext()
+        with compiling:
             self.eval([0], self.new_cache(2))
         release_compiler_pages()
 
@@ -162,6 +161,27 @@ class Model:
         chunks = session.generate(self.prompt_ids(prompt), max_tokens, SamplingParams(**sampling),
                                   stop=list(stop), truncate=truncate)
         return chunks if stream else Result.collect(chunks)
+
+    def scheduler(self, parallel: int = 4, n_ctx: int | None = None, batch: int | None = None,
+                  kv_cells: int | None = None, policy: str = "priority"):
+        """A continuous-batching Scheduler over this model (see scheduler.py): submit() requests,
+        iterate their handles for Chunks; `parallel` sequences decode in one pass."""
+        from .scheduler import DEFAULT_CHUNK, Scheduler
+
+        return Scheduler(self, parallel, n_ctx, batch or DEFAULT_CHUNK, kv_cells, policy)
+
+    def generate_batch(self, prompts, max_tokens: int = 128, parallel: int = 4, n_ctx: int | None = None,
+                       stop: list[str] = (), **sampling) -> list:
+        """Results (in order) for many prompts generated together. Each prompt is text, a
+        conversation, or a dict with `prompt` or `messages` and its own max_tokens, stop,
+        priority and sampling fields (batch_input.FIELDS); the arguments are the defaults."""
+        from .batch_input import make_request
+        from .sampling import SamplingParams
+
+        scheduler = self.scheduler(parallel, n_ctx)
+        defaults = SamplingParams(**sampling)
+        handles = [scheduler.submit(make_request(p, max_tokens, defaults, stop)) for p in prompts]
+        return [h.result() for h in handles]
 
     def check_ids(self, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)

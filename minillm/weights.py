@@ -16,6 +16,15 @@ _NO_FLOATS = np.zeros((0, 0), np.float32)
 _INTEGER_SCALES = ("q4_k", "q6_k")  # products computed from the format's own integer sub-scales
 
 
+def row_by_row(packed: tuple) -> tuple:
+    """The same weights (shared arrays) with every batch row multiplied as if alone: the
+    product id flagged where the arithmetic otherwise follows the batch size (see
+    kernels/cpu/matmul.py ROW_BY_ROW)."""
+    if packed[11] in mm.BATCH_DEPENDENT:
+        return packed[:11] + (packed[11] + mm.ROW_BY_ROW,)
+    return packed
+
+
 class Matrix:
     """A weight matrix (n_rows outputs, n_cols inputs). `packed` is the uniform tuple the
     compiled layers take (see kernels/cpu/layers.py):

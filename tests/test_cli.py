@@ -112,7 +112,7 @@ def test_compile_progress_names_what_compiles():
             assert outer(3) == 8
     assert logged[0] == f"{NOTICE}..." and logged[1].startswith("kernels compiled and cached (2 functions")
     assert any(text.endswith("0 done, now " + inner.__qualname__) for text in shown)
-    assert shown[-1] == "Compiling kernels, first run only (~1 min): 2 done"
+    assert shown[-1] == "Compiling kernels, first run only: 2 done"
 
 
 def test_collector_is_off_while_starting_and_back_after():

@@ -36,6 +36,8 @@ KV_PAD = 256          # llama.cpp's cells handed to attention: a multiple of thi
 # cores (read once: calling nb.get_num_threads() here would keep Numba from caching the layers)
 SPLIT_PARTS = max(1, nb.config.NUMBA_NUM_THREADS)
 
+_NO_TABLE = np.zeros(0, np.int64)  # the block table of a sequence's own (unpaged) cache
+
 _PAR = dict(parallel=True, cache=True, nogil=True)
 _SER = dict(cache=True, nogil=True)
 
@@ -46,6 +48,15 @@ def _slot(cell, n_keep, n_slots):
     if cell < n_slots:  # the ring has not wrapped this far: no division
         return cell
     return n_keep + (cell - n_keep) % (n_slots - n_keep)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _row(slot, table, shift):
+    """The cache row that holds a slot: the slot itself in a sequence's own cache (shift < 0),
+    else in block table[slot >> shift] of a shared pool of blocks of 2^shift rows."""
+    if shift < 0:
+        return slot
+    return (table[slot >> shift] << shift) | (slot & ((1 << shift) - 1))
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -102,16 +113,19 @@ def _mad_f16(acc, acc_at, v, v_at, vs, D):
 
 
 @nb.njit(**_SER)
-def _one_chunk(q16, first, last, pos, newest, n_keep, kcache, vcache, kv_pos, kvh, window, scale, acc, m, s_sum):
+def _one_chunk(q16, first, last, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, table, shift, kvh, window,
+               scale, acc, m, s_sum):
     """Online softmax over cells [first, last) as ggml's one_chunk (newest: the batch's last
     position), for the G heads of q16 (G, D) (f16-rounded queries) that share KV head kvh. Head
     g's result: acc[g] (D,) the f16-rounded, unnormalized V sum, m[g] the running max, s_sum[g]
     the sum. Each cell's K and V are read once for the G heads, whose steps are those of ggml
-    one head at a time. The caches and buffers are used through flat views by offset: a view
-    per cell (kcache[slot, kvh]) would cost two atomic reference counts a cell."""
+    one head at a time. The sequence's n_slots slots are rows of kcache/vcache/kv_pos, through
+    its block table when paged (_row). The caches and buffers are used through flat views by
+    offset: a view per cell (kcache[slot, kvh]) would cost two atomic reference counts a cell."""
     G, D = q16.shape
-    S, H = kcache.shape[0], kcache.shape[1]
-    k, v = kcache.reshape(S * H * D), vcache.reshape(S * H * D)
+    P, H = kcache.shape[0], kcache.shape[1]
+    S = n_slots
+    k, v = kcache.reshape(P * H * D), vcache.reshape(P * H * D)
     q, a = q16.reshape(G * D), acc.reshape(G * D)
     a[:] = 0
     m[:] = -np.inf
@@ -125,10 +139,10 @@ def _one_chunk(q16, first, last, pos, newest, n_keep, kcache, vcache, kv_pos, kv
             continue
         c = cell
         cell += 1
-        slot = _slot(c, n_keep, S)
-        if not _visible(c, slot, kv_pos, pos, window):
+        row = _row(_slot(c, n_keep, S), table, shift)
+        if not _visible(c, row, kv_pos, pos, window):
             continue
-        at = (slot * H + kvh) * D
+        at = (row * H + kvh) * D
         for g in range(G):
             score = _dot_f16(k, at, q, g * D, D) * scale
             if score > m[g]:
@@ -174,8 +188,8 @@ def _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window,
         acc = np.empty((G, D), np.float32)
         m = np.empty(G, np.float32)
         s_sum = np.empty(G, np.float32)
-        _one_chunk(_queries_f16(q, t, h0, G, D), 0, n_cells, q_pos[t], q_pos[-1], n_keep, kcache, vcache, kv_pos,
-                   h0 // group, window, scale, acc, m, s_sum)
+        _one_chunk(_queries_f16(q, t, h0, G, D), 0, n_cells, q_pos[t], q_pos[-1], n_keep, kcache.shape[0], kcache,
+                   vcache, kv_pos, _NO_TABLE, -1, h0 // group, window, scale, acc, m, s_sum)
         for g in range(G):
             inv = np.float32(1.0) / s_sum[g] if s_sum[g] != 0 else np.float32(0.0)
             for d in range(D):
@@ -200,8 +214,8 @@ def _split_runs(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale
         acc_j = np.empty((G, D), np.float32)
         m_j = np.empty(G, np.float32)
         s_j = np.empty(G, np.float32)
-        _one_chunk(_queries_f16(q, 0, h0, G, D), part * run, (part + 1) * run, q_pos[0], q_pos[0], n_keep, kcache,
-                   vcache, kv_pos, h0 // group, window, scale, acc_j, m_j, s_j)
+        _one_chunk(_queries_f16(q, 0, h0, G, D), part * run, (part + 1) * run, q_pos[0], q_pos[0], n_keep,
+                   kcache.shape[0], kcache, vcache, kv_pos, _NO_TABLE, -1, h0 // group, window, scale, acc_j, m_j, s_j)
         acc[part, h0:h0 + G] = acc_j
         m[part, h0:h0 + G] = m_j
         s_sum[part, h0:h0 + G] = s_j
@@ -209,15 +223,22 @@ def _split_runs(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale
 
 @nb.njit(**_SER)
 def _attend_split(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, n_parts, out):
-    """One query: cells cut into n_parts runs, each a one-chunk pass, merged in order as
-    ggml_flash_attn_ext_reduce_partials (the compiler fuses the first product of each sum)."""
+    """One query: cells cut into n_parts runs, each a one-chunk pass, merged in order."""
     D = kcache.shape[2]
     acc = np.empty((n_parts, n_heads, D), np.float32)
     m = np.empty((n_parts, n_heads), np.float32)
     s_sum = np.empty((n_parts, n_heads), np.float32)
     _split_runs(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, n_parts, acc, m, s_sum)
+    _merge_runs(acc, m, s_sum, n_parts, out, 0)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _merge_runs(acc, m, s_sum, n_parts, out, t):
+    """out[t] from the first n_parts runs' results (acc (P, H, D), m and s_sum (P, H)), merged in
+    order as ggml_flash_attn_ext_reduce_partials (the compiler fuses the first product of each sum)."""
+    H, D = acc.shape[1], acc.shape[2]
     total = np.empty(D, np.float32)
-    for h in range(n_heads):
+    for h in range(H):
         total[:] = 0
         m_all = np.float32(-np.inf)
         s_all = np.float32(0.0)
@@ -233,7 +254,7 @@ def _attend_split(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, sca
             m_all = m_new
         inv = np.float32(1.0) / s_all if s_all != 0 else np.float32(1.0)
         for d in range(D):
-            out[0, h * D + d] = total[d] * inv
+            out[t, h * D + d] = total[d] * inv
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -386,3 +407,57 @@ def attention(q, q_pos, kcache, vcache, kv_pos, n_keep, window, scale, n_heads, 
                       SPLIT_PARTS, out)
     else:
         _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, out)
+
+
+@nb.njit(**_PAR)
+def _row_runs(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, n_heads,
+              n_parts, acc, m, s_sum):
+    """attention_rows' passes: row t's cells in n_parts runs if a lone query at its position
+    would be split (else one run over them all); acc (T, P, H, D), m and s_sum (T, P, H)."""
+    T = q.shape[0]
+    D = kcache.shape[2]
+    group = n_heads // kcache.shape[1]
+    G = _heads_per_job(n_parts * n_heads, group)
+    n_sets = n_heads // G
+    for job in nb.prange(T * n_parts * n_sets):
+        t, rest = job // (n_parts * n_sets), job % (n_parts * n_sets)
+        part, h0 = rest // n_sets, (rest % n_sets) * G
+        pos = q_pos[t]
+        n_cells = (pos + KV_PAD) // KV_PAD * KV_PAD
+        parts = n_parts if n_cells >= SPLIT_MIN_CELLS else 1
+        run = (n_cells + parts - 1) // parts
+        if part >= parts or part * run >= n_cells:
+            s_sum[t, part, h0:h0 + G] = 0
+            continue
+        acc_j = np.empty((G, D), np.float32)
+        m_j = np.empty(G, np.float32)
+        s_j = np.empty(G, np.float32)
+        _one_chunk(_queries_f16(q, t, h0, G, D), part * run, (part + 1) * run, pos, pos, n_keep, n_slots, kcache,
+                   vcache, kv_pos, tables[row_seq[t]], shift, h0 // group, window, scale, acc_j, m_j, s_j)
+        acc[t, part, h0:h0 + G] = acc_j
+        m[t, part, h0:h0 + G] = m_j
+        s_sum[t, part, h0:h0 + G] = s_j
+
+
+@nb.njit(**_SER)
+def attention_rows(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, n_heads,
+                   out):
+    """out (T, H*D): attention of each row of q over the cells of its own sequence (row_seq[t]),
+    each row exactly as a lone query at its position (q_pos[t]) is computed by `attention`
+    (split or one chunk), whatever the other rows: the batching scheduler's rows. The sequences'
+    slots are rows of a shared pool, through block tables (n_seq, blocks) of 2^shift rows."""
+    T, D = q.shape[0], kcache.shape[2]
+    acc = np.empty((T, SPLIT_PARTS, n_heads, D), np.float32)
+    m = np.empty((T, SPLIT_PARTS, n_heads), np.float32)
+    s_sum = np.empty((T, SPLIT_PARTS, n_heads), np.float32)
+    _row_runs(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, n_heads,
+              SPLIT_PARTS, acc, m, s_sum)
+    for t in range(T):
+        n_cells = (q_pos[t] + KV_PAD) // KV_PAD * KV_PAD
+        if n_cells >= SPLIT_MIN_CELLS:
+            _merge_runs(acc[t], m[t], s_sum[t], SPLIT_PARTS, out, t)
+            continue
+        for h in range(n_heads):  # one chunk: as _attend_one_chunk normalizes
+            inv = np.float32(1.0) / s_sum[t, 0, h] if s_sum[t, 0, h] != 0 else np.float32(0.0)
+            for d in range(D):
+                out[t, h * D + d] = acc[t, 0, h, d] * inv

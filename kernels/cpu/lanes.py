@@ -29,7 +29,7 @@ from .fma import fma
 from .lanes_gemv import CODE_BYTES, gemv_4, gemv_4_min, gemv_5, gemv_5_min, gemv_8, gemv_8_min, widen_5, widen_5_min
 from .simd import load_u32
 from .unpack import F16_TO_F32
-from .vnni import HAS_VNNI, R
+from .vnni import HAS_INT8_DOT, R
 
 _LANE_BYTES = 4 * R  # one lane (4 columns) of a tile's R rows, a byte a code
 _CODE_BYTES_4, _CODE_BYTES_5, _CODE_BYTES_8 = CODE_BYTES[4], CODE_BYTES[5], CODE_BYTES[8]
@@ -163,11 +163,11 @@ def _lanes_tile(data, bits, has_min, offset, xq, xd, xs, xn4, out, nt):
     """The rows of tile nt, every token, one token at a time (the tile stays in L1)."""
     T, n_blk = out.shape[0], xd.shape[1]
     w_off = nt * n_blk * block_bytes(bits, has_min)
-    if HAS_VNNI and bits == 5 and T >= WIDEN_MIN_TOKENS:
+    if HAS_INT8_DOT and bits == 5 and T >= WIDEN_MIN_TOKENS:
         data, w_off, bits = _widen_5(data, w_off, n_blk, has_min), 0, 8
     acc = np.empty(9 * R, np.float32)  # (lane, row) accumulators, then summs (row)
     for t in range(T):
-        if HAS_VNNI:
+        if HAS_INT8_DOT:
             _tile_vnni(data, w_off, xq, t * n_blk * 32, xd, xs, xn4, t * n_blk, n_blk, offset, bits, has_min, acc)
         else:
             _tile_portable(data, w_off, xq, t, xd, xs, xn4, n_blk, offset, bits, has_min, acc)

@@ -17,7 +17,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .simd import _splat, open_loop
-from .vnni import R
+from .vnni import R, dpbusd
 
 _I8X64 = ir.VectorType(ir.IntType(8), 64)
 _I1X64 = ir.VectorType(ir.IntType(1), 64)
@@ -77,8 +77,6 @@ def _make(bits: int, has_min: bool):
             outp = _data(context, builder, a[10], out_a)
             intp = w_o.type
             c = lambda v: ir.Constant(intp, v)  # noqa: E731
-            dpbusd = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_I32X16, [_I32X16, _I8X64, _I8X64]), "llvm.x86.avx512.vpdpbusd.512")
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X16, [_F32X16] * 3),
                                                  "llvm.fma.v16f32")
             zero_f = ir.Constant(_F32X16, None)
@@ -105,7 +103,7 @@ def _make(bits: int, has_min: bool):
                 # the dot product starts from -offset * sum(x): lane - shift in one exact step
                 start = _splat(builder, builder.neg(builder.mul(offset, n4)), _I32X16)
                 for h in range(2):
-                    f = builder.sitofp(builder.call(dpbusd, [start, codes(lane, h), xv]), _F32X16)
+                    f = builder.sitofp(dpbusd(builder, start, codes(lane, h), xv, small=bits < 8), _F32X16)
                     news.append(builder.call(fma, [dd[h], f, accs[2 * lane + h]]))
             if has_min:
                 xsv = _splat(builder, builder.load(builder.gep(xsp, [xb])), _F32X16)

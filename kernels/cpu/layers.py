@@ -12,10 +12,10 @@ import numba as nb
 import numpy as np
 
 from . import ops
-from .attention import attention
+from .attention import attention, attention_rows
 from .f16 import f16_round
 from .lanes import qmatmul_lanes, qmatmul_lanes3
-from .matmul import KIND_Q8_1, PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, qmatmul_q4_k, qmatmul_q6_k, qmatmul_tiles, quantize_act
+from .matmul import KIND_Q8_1, PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, ROW_BY_ROW, qmatmul_q4_k, qmatmul_q6_k, qmatmul_tiles, quantize_act
 
 FLOAT_F32, FLOAT_F16, FLOAT_BF16 = 0, 1, 2
 _SPLIT_BF16 = np.float32(65537.0)  # 2^(24-8) + 1: keeps bfloat16's 8 significant bits
@@ -88,12 +88,14 @@ def _apply(w, x, act):
         _float_matmul(fweight, _round_to_format(x, float_format), out)
         return out
     q, d16, s16, n16, d32, s32, n32, n4 = act
+    row_by_row = product >= ROW_BY_ROW
+    product = product % ROW_BY_ROW
     if product == PRODUCT_LANES:
         qmatmul_lanes(data, bits, kind == KIND_Q8_1, offset, q, d32, s32, n4, out)
     elif product == PRODUCT_Q4_K:  # integer scales: int8 bytes in the float32 slots
-        qmatmul_q4_k(data, scale.view(np.int8), bias.view(np.int8), sb, q, d32, n32, out)
+        qmatmul_q4_k(data, scale.view(np.int8), bias.view(np.int8), sb, q, d32, n32, row_by_row, out)
     elif product == PRODUCT_Q6_K:
-        qmatmul_q6_k(data, scale.view(np.int8), sb, q, d32, n4, n16, out)
+        qmatmul_q6_k(data, scale.view(np.int8), sb, q, d32, n4, n16, row_by_row, out)
     elif group == 16:
         qmatmul_tiles(data, scale, bias, group, offset, bits == 4, q, d16, s16, n16, out)
     else:
@@ -156,15 +158,28 @@ def norm(x, weight, eps):
     return out
 
 
+# The kv tuple a layer gets: (kcache, vcache (S, Hkv, D) uint16, kv_pos (S,) int64, slots (T,)
+# int64 the cache rows this batch's k/v go to, n_keep, paging). paging is NO_PAGING for one
+# sequence's own cache; for the batching scheduler's shared pool (minillm/kv_pool.py) it is
+# (row_seq (T,) each row's sequence, tables (n_seq, blocks) int64 its block table, shift (blocks
+# of 2^shift rows), n_slots (each sequence's slots)), and every row is computed as if alone.
+NO_PAGING = (np.zeros(0, np.int64), np.zeros((0, 0), np.int64), -1, 0)
+
+
 @nb.njit(**_SER)
-def attend(q, k, v, positions, kcache, vcache, kv_pos, slots, n_keep, window, scale, n_heads, n_kv_heads,
-           head_dim):
+def attend(q, k, v, positions, kv, window, scale, n_heads, n_kv_heads, head_dim):
     """Store this batch's k/v at their slots, then attention of q over the cache."""
+    kcache, vcache, kv_pos, slots, n_keep, paging = kv
+    row_seq, tables, shift, n_slots = paging
     ops.store_kv(k, v, slots, n_kv_heads, head_dim, kcache, vcache)
     for i in range(slots.shape[0]):
         kv_pos[slots[i]] = positions[i]
     out = np.empty((q.shape[0], n_heads * head_dim), np.float32)
-    attention(q, positions, kcache, vcache, kv_pos, n_keep, window, scale, n_heads, out)
+    if row_seq.shape[0] == 0:
+        attention(q, positions, kcache, vcache, kv_pos, n_keep, window, scale, n_heads, out)
+    else:
+        attention_rows(q, positions, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale,
+                       n_heads, out)
     return out
 
 
@@ -183,13 +198,11 @@ def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, n
                 head_dim, rope_dims, neox):
     """RoPE on q and k (cos/sin rope_table), q *= q_scale, store k/v in the cache, attention."""
     cos, sin = rope_table
-    kcache, vcache, kv_pos, slots, n_keep = kv
     ops.rope(q, n_heads, head_dim, rope_dims, cos, sin, neox)
     ops.rope(k, n_kv_heads, head_dim, rope_dims, cos, sin, neox)
     if q_scale != 1:
         q *= q_scale
-    return attend(q, k, v, positions, kcache, vcache, kv_pos, slots, n_keep, window, kq_scale, n_heads,
-                  n_kv_heads, head_dim)
+    return attend(q, k, v, positions, kv, window, kq_scale, n_heads, n_kv_heads, head_dim)
 
 
 @nb.njit(**_SER)

@@ -27,7 +27,7 @@ from .fma import fma
 from .lanes import aligned_zeros
 from .q4_k import gemm_row_q4_k, gemv_q4_k
 from .q6_k import tiled_q6_k_1, tiled_q6_k_4, vec_dot_q6_k
-from .vnni import HAS_VNNI, R, tile_dot, tile_dot4, tile_dot4_nib, tile_dot_nib, tile_lanes
+from .vnni import HAS_INT8_DOT, R, tile_dot, tile_dot4, tile_dot4_nib, tile_dot_nib, tile_lanes
 
 KIND_Q8_0, KIND_Q8_1, KIND_Q8_K = 0, 1, 2
 KIND_IDS = {"q8_0": KIND_Q8_0, "q8_1": KIND_Q8_1, "q8_k": KIND_Q8_K}
@@ -38,6 +38,11 @@ PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, PRODUCT_GROUPS = 0, 1, 2, 3
 # its "tiled" kernel instead of vec_dot
 TILED_MIN_ROWS = 8
 PRODUCT_IDS = {"lanes": PRODUCT_LANES, "q4_k": PRODUCT_Q4_K, "q6_k": PRODUCT_Q6_K, "groups": PRODUCT_GROUPS}
+# Added to a weight tuple's product id: every batch row is computed as if it were alone (the
+# one-token kernel for every row), so a row's result never depends on the rows beside it (the
+# batching scheduler). Only the products whose arithmetic follows the batch size need it.
+ROW_BY_ROW = 8
+BATCH_DEPENDENT = (PRODUCT_Q4_K, PRODUCT_Q6_K)
 
 _PAR = dict(parallel=True, cache=True, nogil=True, fastmath=True)
 
@@ -156,19 +161,20 @@ def qmatmul_tiles(data, scale, bias, G, offset, nibbles, xq, xd, xs, xn, out):
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def qmatmul_q4_k(data, sc, mins, sb, xq, xd, xn32, out):
+def qmatmul_q4_k(data, sc, mins, sb, xq, xd, xn32, row_by_row, out):
     """out (T, N) = x @ W.T for Q4_K as llama.cpp's repacked q4_K_8x8 kernels compute it: rows
     of the batch in whole groups of 4 go through the gemm kernel (one fma per pair of 32-wide
     sub-blocks), the last T % 4 rows through the gemv kernel (one fma per super-block); the
     integer sums sc * sum(q_w q_x) and mins * sum(q_x) are exact, out = acc - acc_min.
+    row_by_row: every row through the gemv kernel (as a batch of one).
     sc, mins (NT, K/32, R) int8; sb (NT, 2 K/256, R) each super-block's d, dmin."""
     NT, n_sub = sc.shape[0], sc.shape[1]
     T, N = out.shape
     K = n_sub * 32
     block_bytes = 16 * R
-    n_gemm = T - T % 4
+    n_gemm = 0 if row_by_row else T - T % 4
     for nt in nb.prange(NT):
-        if HAS_VNNI:
+        if HAS_INT8_DOT:
             _q4_k_tile_vnni(data, sc, mins, sb, xq, xd, xn32, nt, n_gemm, out)
             continue
         isum = np.empty(4 * R, np.int32)      # (token, row) integer sums of one sub-block
@@ -230,7 +236,7 @@ def _q4_k_tile_vnni(data, sc, mins, sb, xq, xd, xn32, nt, n_gemm, out):
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def qmatmul_q6_k(data, sc, sb, xq, xd, xn4, xn16, out):
+def qmatmul_q6_k(data, sc, sb, xq, xd, xn4, xn16, row_by_row, out):
     """out (T, N) = x @ W.T for Q6_K the way llama.cpp's x86 backend computes it, all integer
     sums exact:
     - batches of fewer than TILED_MIN_ROWS rows: ggml_vec_dot_q6_K_q8_K (AVX2), 8 lanes, lane l
@@ -238,7 +244,7 @@ def qmatmul_q6_k(data, sc, sb, xq, xd, xn4, xn16, out):
       0..63) less 32 * (the scale-weighted activation sums of columns 32l..32l+31); per
       super-block acc[l] = fma(d_x * d_w, lane sum, acc[l]); then hsum_float_8;
     - larger batches: ggml's "tiled" K-quant kernel, one integer sum S per super-block and
-      acc = fma(float(S) * d_w, d_x, acc).
+      acc = fma(float(S) * d_w, d_x, acc); row_by_row: vec_dot for every row (a batch of one).
     Codes stored as q + 96 (= q - 32 + 128); sc (NT, K/16, R) int8; sb (NT, 2 K/256, R)
     holds d; xn16 (T, K/16) the activation code sums of each 16 columns."""
     NT, n_half = sc.shape[0], sc.shape[1]
@@ -246,9 +252,9 @@ def qmatmul_q6_k(data, sc, sb, xq, xd, xn4, xn16, out):
     K = n_half * 16
     n_blk = K // 32
     block_bytes = 32 * R
-    tiled = T >= TILED_MIN_ROWS
+    tiled = T >= TILED_MIN_ROWS and not row_by_row
     for nt in nb.prange(NT):
-        if HAS_VNNI:
+        if HAS_INT8_DOT:
             _q6_k_tile_vnni(data, sc, sb, xq, xd, xn4, xn16, nt, tiled, out)
             continue
         lanes = np.empty(4 * 8 * R, np.int32)  # (token, lane, row) integer sums of one block

@@ -50,8 +50,7 @@ def _make_q4_k_rows(fma_every):
                     xa, xh = e.x4(_X, b.add(xb, c(8 * p))), e.x4(_X, b.add(xb, c(8 * p + 4)))
                     for h in range(2):
                         v = e.vec(_W, b.add(wb, c(128 * p + 64 * h)), _I8X64)
-                        dots[h] = b.call(e.dpbusd, [b.call(e.dpbusd, [dots[h], b.and_(v, low), xa]),
-                                                    b.lshr(v, four), xh])
+                        dots[h] = e.dpbusd(e.dpbusd(dots[h], b.and_(v, low), xa, True), b.lshr(v, four), xh, True)
                 row = b.mul(b.add(b.mul(args[_NT], n_sub), sub), c(R))
                 xsum = e.splat(e.scalar(_XN32, b.add(b.mul(args[_T], n_sub), sub)), _I32X16)
                 for h in range(2):

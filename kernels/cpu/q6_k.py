@@ -14,7 +14,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .simd import open_loop
-from .vnni import R
+from .vnni import R, dpbusd
 
 _I8X64 = ir.VectorType(ir.IntType(8), 64)
 _I32 = ir.IntType(32)
@@ -30,8 +30,7 @@ class _Emitter:
         self.b, self.intp = builder, intp
         self.ptrs = [cgutils.create_struct_proxy(t)(context, builder, value=a).data
                      if isinstance(t, types.Array) else None for t, a in zip(signature.args, args)]
-        self.dpbusd = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_I32X16, [_I32X16, _I8X64, _I8X64]), "llvm.x86.avx512.vpdpbusd.512")
+        self.dpbusd = lambda acc, u8, s8, small=False: dpbusd(builder, acc, u8, s8, small)
         self.fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X16, [_F32X16] * 3),
                                                   "llvm.fma.v16f32")
 
@@ -100,7 +99,7 @@ def vec_dot_q6_k(typingctx, w, w_off, sc, sb, nt, x, x_off, xd, xn4, xn16, t, n_
                 g = b.add(b.mul(args[_NT], n_half), b.add(b.mul(blk, c(2)), c(lane // 4)))
                 for h in range(2):
                     code = e.vec(_W, b.add(wb, c(128 * lane + 64 * h)), _I8X64)
-                    dot = b.call(e.dpbusd, [start, code, xv])
+                    dot = e.dpbusd(start, code, xv)
                     scale = e.int_scales(_SC, b.add(b.mul(g, c(R)), c(16 * h)))
                     isum[2 * lane + h] = b.add(isum[2 * lane + h], b.mul(scale, dot))
         da = e.splat(e.scalar(_XD, b.add(b.mul(args[_T], n_blk), b.mul(s, c(8)))), _F32X16)
@@ -152,7 +151,7 @@ def _make_tiled(n_tok: int):
                     for k in range(n_tok):
                         xv = e.x4(_X, b.add(b.add(args[_X_OFF], b.mul(K, c(k))), col))
                         for h in range(2):
-                            dots[2 * k + h] = b.call(e.dpbusd, [dots[2 * k + h], codes[h], xv])
+                            dots[2 * k + h] = e.dpbusd(dots[2 * k + h], codes[h], xv)
                 for k in range(n_tok):
                     for h in range(2):
                         isum[2 * k + h] = b.add(isum[2 * k + h], b.mul(scales[h], dots[2 * k + h]))

@@ -21,11 +21,55 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 R = 32
-HAS_VNNI = bool(llvm_binding.get_host_cpu_features().get("avx512vnni", False))
+_FEATURES = llvm_binding.get_host_cpu_features()
+HAS_VNNI = bool(_FEATURES.get("avx512vnni", False))
+# the LLVM kernels need an exact 4-byte integer dot product: vpdpbusd (AVX-512 VNNI), or the
+# same sums from vpmaddwd on AVX2 (dpbusd below); elsewhere the plain Numba (_portable) paths run
+HAS_INT8_DOT = HAS_VNNI or bool(_FEATURES.get("avx2", False))
 
+_I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
 _I32X16 = ir.VectorType(_I32, 16)
 _I8X64 = ir.VectorType(ir.IntType(8), 64)
+
+
+def dpbusd(builder, acc, u8, s8, small=False):
+    """acc (16 x i32) + in each lane j the sum of u8[4j + i] * s8[4j + i], i < 4 (u8 unsigned,
+    s8 signed bytes, 64 each): vpdpbusd. Without AVX-512 VNNI, AVX2 gives the same exact sums:
+    with small codes (u8 < 128, as 4- and 5-bit codes are) vpmaddubsw cannot saturate (2 * 127 *
+    128 < 2^15) and vpmaddwd by ones adds its pairs; otherwise vpmaddwd on the bytes widened to
+    16 bits (a product of two bytes fits 16 bits, a pair of them 32), adjacent pairs then added."""
+    if HAS_VNNI:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32X16, [_I32X16, _I8X64, _I8X64]),
+                                            "llvm.x86.avx512.vpdpbusd.512")
+        return builder.call(fn, [acc, u8, s8])
+    i16x16, i32x8 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+    pmaddwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32x8, [i16x16, i16x16]),
+                                             "llvm.x86.avx2.pmadd.wd")
+    to16 = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
+    if small:
+        i8x32 = ir.VectorType(ir.IntType(8), 32)
+        maddubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16x16, [i8x32, i8x32]),
+                                                 "llvm.x86.avx2.pmadd.ub.sw")
+        ones = ir.Constant(i16x16, [1] * 16)
+        sums = []
+        for c in range(2):
+            pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * c, 32 * c + 32)))
+            pairs = builder.call(maddubs, [builder.shuffle_vector(u8, u8, pick), builder.shuffle_vector(s8, s8, pick)])
+            sums.append(builder.call(pmaddwd, [pairs, ones]))
+        return builder.add(acc, builder.shuffle_vector(sums[0], sums[1], to16))
+    a16 = builder.zext(u8, ir.VectorType(_I16, 64))
+    b16 = builder.sext(s8, ir.VectorType(_I16, 64))
+
+    def part(v, c):  # 16 values from 16c
+        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), list(range(16 * c, 16 * c + 16))))
+
+    pairs = [builder.call(pmaddwd, [part(a16, c), part(b16, c)]) for c in range(4)]  # 4 x (8 x i32)
+    joined = [builder.shuffle_vector(pairs[c], pairs[c + 1], to16) for c in (0, 2)]
+    every = builder.shuffle_vector(joined[0], joined[1], ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+    even = builder.shuffle_vector(every, every, ir.Constant(_I32X16, list(range(0, 32, 2))))
+    odd = builder.shuffle_vector(every, every, ir.Constant(_I32X16, list(range(1, 32, 2))))
+    return builder.add(acc, builder.add(even, odd))
 
 
 def _data_pointer(context, builder, array_type, array, offset):
@@ -49,9 +93,6 @@ def _make_vnni_intrinsic(nibbles: bool, n_tok: int):
                                  builder.add(x_off, builder.mul(x_stride, ir.Constant(n.type, tok))))
                    for tok in range(n_tok)]
             op = cgutils.create_struct_proxy(signature.args[6])(context, builder, value=out_arr).data
-            dpbusd = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_I32X16, [_I32X16, _I8X64, _I8X64]),
-                "llvm.x86.avx512.vpdpbusd.512")
             n_steps = builder.lshr(n, ir.Constant(n.type, 1)) if nibbles else n
             zero = ir.Constant(_I32X16, None)
             entry = builder.block
@@ -88,12 +129,12 @@ def _make_vnni_intrinsic(nibbles: bool, n_tok: int):
                     xb = x_broadcast(xps[tok], builder.add(col, ir.Constant(n.type, 4)))
                     for half in range(2):
                         lo, hi = halves[half]
-                        new = builder.call(dpbusd, [accs[2 * tok + half], lo, xa])
-                        news.append(builder.call(dpbusd, [new, hi, xb]))
+                        new = dpbusd(builder, accs[2 * tok + half], lo, xa, small=True)
+                        news.append(dpbusd(builder, new, hi, xb, small=True))
                 else:
                     xv = x_broadcast(xps[tok], col)
                     for half in range(2):
-                        news.append(builder.call(dpbusd, [accs[2 * tok + half], halves[half], xv]))
+                        news.append(dpbusd(builder, accs[2 * tok + half], halves[half], xv))
             nxt = builder.add(i, ir.Constant(n.type, 1))
             i.add_incoming(nxt, loop)
             for acc, new in zip(accs, news):
@@ -132,9 +173,6 @@ def _make_lanes_intrinsic(nibbles: bool, n_tok: int):
             w_arr, w_off, x_arr, x_off, x_stride, out_arr = args
             wp = _data_pointer(context, builder, signature.args[0], w_arr, w_off)
             op = cgutils.create_struct_proxy(signature.args[5])(context, builder, value=out_arr).data
-            dpbusd = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_I32X16, [_I32X16, _I8X64, _I8X64]),
-                "llvm.x86.avx512.vpdpbusd.512")
             zero = ir.Constant(_I32X16, None)
             intp = w_off.type
 
@@ -162,7 +200,7 @@ def _make_lanes_intrinsic(nibbles: bool, n_tok: int):
                     xv = builder.shuffle_vector(xv, ir.Constant(_I32X16, None), ir.Constant(_I32X16, [0] * 16))
                     xv = builder.bitcast(xv, _I8X64)
                     for half in range(2):
-                        res = builder.call(dpbusd, [zero, weights[l][half], xv])
+                        res = dpbusd(builder, zero, weights[l][half], xv, small=nibbles)
                         ptr = builder.gep(op, [ir.Constant(ir.IntType(64), (tok * 8 + l) * 32 + 16 * half)])
                         builder.store(res, builder.bitcast(ptr, _I32X16.as_pointer()), align=4)
             return context.get_dummy_value()
@@ -270,8 +308,8 @@ def tile_dot4_nib_portable(w, w_off, x, x_off, x_stride, n_k4, out):
         tile_dot_nib_portable(w, w_off, x, x_off + tok * x_stride, n_k4, out[tok * R:])
 
 
-tile_dot = _tile_dot_vnni_call if HAS_VNNI else tile_dot_portable
-tile_dot_nib = _tile_dot_vnni_nib_call if HAS_VNNI else tile_dot_nib_portable
-tile_dot4 = _tile_dot4_vnni_call if HAS_VNNI else tile_dot4_portable          # 4 tokens at once
-tile_dot4_nib = _tile_dot4_vnni_nib_call if HAS_VNNI else tile_dot4_nib_portable
-tile_lanes = _tile_lanes_vnni if HAS_VNNI else tile_lanes_portable  # per-lane sums of one block
+tile_dot = _tile_dot_vnni_call if HAS_INT8_DOT else tile_dot_portable
+tile_dot_nib = _tile_dot_vnni_nib_call if HAS_INT8_DOT else tile_dot_nib_portable
+tile_dot4 = _tile_dot4_vnni_call if HAS_INT8_DOT else tile_dot4_portable          # 4 tokens at once
+tile_dot4_nib = _tile_dot4_vnni_nib_call if HAS_INT8_DOT else tile_dot4_nib_portable
+tile_lanes = _tile_lanes_vnni if HAS_INT8_DOT else tile_lanes_portable  # per-lane sums of one block

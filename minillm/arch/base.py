@@ -8,8 +8,9 @@ import numpy as np
 from ..errors import ModelError
 from ..gguf_file import GGUFFile
 from ..kernels.cpu import ops
+from ..kernels.cpu.layers import NO_PAGING, linear
 from ..kernels.cpu.unpack import dequantize
-from ..weights import Matrix
+from ..weights import Matrix, row_by_row
 
 MAX_LAYERS = 512
 MAX_WIDTH = 1 << 16
@@ -175,22 +176,47 @@ class Transformer:
     def forward(self, ids: np.ndarray, cache, logits_from: int) -> np.ndarray:
         """Evaluate ids at the cache's next positions; logits (T - logits_from, V)."""
         positions = cache.reserve(len(ids))
-        x = self.embed(ids)
-        tables = self.rope_tables(positions)
         # as llama.cpp, the last layer's feed-forward runs on the output rows only
         out_from = min(logits_from, len(ids) - 1)
-        for il, layer in enumerate(self.layers):
+
+        def kv_of(il):  # the CPU layers' view of the cache (kernels/cpu/layers.py)
             kc, vc, group, slots = cache.layer(il)
-            kv = (kc, vc, group.kv_pos, slots, group.n_keep)  # the CPU layers' view of the cache
-            x = self.layer_function(x, layer, positions, kv, out_from if il == len(self.layers) - 1 else 0,
-                                    *self.layer_args(il, tables))
+            return kc, vc, group.kv_pos, slots, group.n_keep, NO_PAGING
+
+        x = self.run_layers(ids, positions, kv_of, out_from, self.layers)
         cache.commit(len(ids))
-        x = x[logits_from - out_from:]
+        return self.output_logits(x[logits_from - out_from:], self.output.packed)
+
+    def forward_rows(self, ids: np.ndarray, positions: np.ndarray, kv_of, out_from: int) -> np.ndarray:
+        """The batching scheduler's forward: rows of several sequences (ids, positions (T,)),
+        each computed exactly as if it were evaluated alone, one token at a time (one kernel
+        path per row, whatever the other rows). kv_of(il): layer il's kv tuple over the shared
+        pool (minillm/kv_pool.py). Logits (T - out_from, V) of the rows from out_from on."""
+        if self.row_layers is None:
+            self.row_layers = [tuple(row_by_row(w) if isinstance(w, tuple) else w for w in layer)
+                               for layer in self.layers]
+        x = self.run_layers(ids, positions, kv_of, out_from, self.row_layers)
+        return self.output_logits(x, row_by_row(self.output.packed))
+
+    row_layers = None  # self.layers with every product computed row by row (forward_rows)
+
+    def run_layers(self, ids, positions, kv_of, out_from, layers) -> np.ndarray:
+        """The hidden states (T - out_from, E) after every layer."""
+        x = self.embed(ids)
+        tables = self.rope_tables(positions)
+        last = len(layers) - 1
+        for il, layer in enumerate(layers):
+            x = self.layer_function(x, layer, positions, kv_of(il), out_from if il == last else 0,
+                                    *self.layer_args(il, tables))
+        return x
+
+    def output_logits(self, x: np.ndarray, output) -> np.ndarray:
+        """Logits (T, V) of hidden states x (T, E): final norm, output product (its packed tuple)."""
         if x.shape[0] == 0:
             return np.empty((0, self.hp.n_vocab), np.float32)
         xn = np.empty_like(x)
         ops.rmsnorm(x, self.output_norm, np.float32(self.hp.rms_eps), xn)
-        return self.finish_logits(self.output(xn))
+        return self.finish_logits(linear(output, xn))
 
     def finish_logits(self, logits: np.ndarray) -> np.ndarray:
         return logits

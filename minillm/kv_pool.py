@@ -1,0 +1,139 @@
+"""The KV store of the batching scheduler: one pool of cells shared by many sequences, handed
+out in blocks as sequences grow (paged, as vLLM does), so that slots with a long context do not
+reserve it up front.
+
+Each cache group (see kv_cache.py: the context-sized "global" group, Gemma 3's "local" windows)
+has its own pool. A sequence (a *slot*, 0..n_seqs-1) sees a group as n_slots slots, exactly
+as a lone sequence's ring buffer (position p in slot p, or p % n_slots in a window's ring), and
+its block table maps slot s to pool row table[s >> SHIFT] * BLOCK + s % BLOCK. Attention reads
+the cells through the table (kernels/cpu/attention.py, attention_rows).
+
+Sequences here never run past their context (the scheduler stops them there), so the global
+group never wraps and no attention sinks are needed.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+SHIFT = 4
+BLOCK = 1 << SHIFT  # cells per block
+
+
+class PoolGroup:
+    """One group's pool: blocks of BLOCK rows, a block table per sequence, a free list."""
+
+    def __init__(self, n_slots: int, n_blocks: int, n_seqs: int):
+        self.n_slots = n_slots                                   # slots a sequence sees
+        self.n_blocks = n_blocks
+        self.width = -(-n_slots // BLOCK)                        # blocks a table can name
+        self.tables = np.full((n_seqs, self.width), -1, np.int64)  # (n_seqs, width) block ids, -1 = none
+        self.kv_pos = np.full(n_blocks * BLOCK, -1, np.int64)    # (rows,) position held by each pool row
+        self.free = list(range(n_blocks - 1, -1, -1))            # free block ids (pop from the end)
+        self.windowed = False                                    # a ring smaller than the context
+
+    def slot_of(self, positions: np.ndarray) -> np.ndarray:
+        return positions % self.n_slots if self.windowed else positions
+
+    def blocks_needed(self, seq: int, start: int, stop: int) -> list[int]:
+        """The table entries positions [start, stop) of seq write to that have no block yet."""
+        if stop <= start:
+            return []
+        slots = self.slot_of(np.arange(start, stop, dtype=np.int64))
+        entries = np.unique(slots >> SHIFT)
+        return [int(e) for e in entries if self.tables[seq, e] < 0]
+
+    def assign(self, seq: int, entries: list[int]) -> None:
+        for e in entries:
+            block = self.free.pop()
+            self.kv_pos[block * BLOCK:(block + 1) * BLOCK] = -1
+            self.tables[seq, e] = block
+
+    def rows_of(self, seq: int, positions: np.ndarray) -> np.ndarray:
+        """Pool rows where seq's positions live (blocks assigned)."""
+        slots = self.slot_of(positions)
+        return (self.tables[seq, slots >> SHIFT] << SHIFT) | (slots & (BLOCK - 1))
+
+    def release(self, seq: int, keep: int = 0) -> None:
+        """Forget seq's positions from `keep` on and give back the blocks left empty. With keep
+        > 0 the sequence must not have wrapped a ring (slot = position: see KVPool.reusable)."""
+        first = -(-keep // BLOCK)  # the first table entry holding no kept position
+        for e in range(first, self.width):
+            block = self.tables[seq, e]
+            if block >= 0:
+                self.free.append(int(block))
+                self.tables[seq, e] = -1
+        if keep % BLOCK:
+            self.kv_pos[self.rows_of(seq, np.arange(keep, first * BLOCK, dtype=np.int64))] = -1
+
+    def blocks_held(self, seq: int) -> int:
+        return int((self.tables[seq] >= 0).sum())
+
+
+class KVPool:
+    """Keys and values of every layer for n_seqs sequences of up to n_ctx positions each, in
+    pools of n_cells cells (the global group; windowed groups get what their rings need)."""
+
+    def __init__(self, arch, n_seqs: int, n_ctx: int, n_cells: int, n_batch: int):
+        hp = arch.hp
+        sizes, self.layer_groups = arch.cache_layout(n_ctx, n_batch)
+        self.n_seqs, self.n_ctx = n_seqs, n_ctx
+        self.groups: dict[str, PoolGroup] = {}
+        for name, size in sizes.items():
+            windowed = size < n_ctx
+            n_blocks = n_seqs * -(-size // BLOCK) if windowed else max(-(-n_cells // BLOCK), -(-size // BLOCK))
+            group = PoolGroup(size, n_blocks, n_seqs)
+            group.windowed = windowed
+            self.groups[name] = group
+        # per layer: (rows, Hkv, D) uint16 float16 bit patterns; pages are touched only when written
+        self.k = [np.zeros((self.groups[g].n_blocks * BLOCK, hp.n_head_kv, hp.head_dim), np.uint16)
+                  for g in self.layer_groups]
+        self.v = [np.zeros_like(k) for k in self.k]
+
+    @property
+    def n_cells(self) -> int:
+        """Cells of the context-sized pool: the figure admission is bounded by."""
+        return max(g.n_blocks for g in self.groups.values() if not g.windowed) * BLOCK
+
+    @property
+    def free_cells(self) -> int:
+        return min(len(g.free) for g in self.groups.values() if not g.windowed) * BLOCK
+
+    def blocks_needed(self, seq: int, start: int, stop: int) -> dict[str, list[int]]:
+        return {name: g.blocks_needed(seq, start, stop) for name, g in self.groups.items()}
+
+    def can_assign(self, needed: dict[str, list[int]]) -> bool:
+        return all(len(entries) <= len(self.groups[name].free) for name, entries in needed.items())
+
+    def assign(self, seq: int, needed: dict[str, list[int]]) -> None:
+        for name, entries in needed.items():
+            self.groups[name].assign(seq, entries)
+
+    def release(self, seq: int, keep: int = 0) -> None:
+        """Free seq's cells from position `keep` on (all of them by default)."""
+        for g in self.groups.values():
+            g.release(seq, keep)
+
+    def blocks_held(self, seq: int) -> int:
+        return sum(g.blocks_held(seq) for g in self.groups.values())
+
+    def reusable(self, n_past: int) -> bool:
+        """Whether a sequence of n_past positions can be cut back to a prefix: no ring of it
+        has wrapped (a wrapped ring has overwritten positions the prefix still needs)."""
+        return all(n_past <= g.n_slots for g in self.groups.values())
+
+    def batch_kv(self, row_seq: np.ndarray, positions: np.ndarray):
+        """kv_of(il) for Transformer.forward_rows: each layer's kv tuple for a batch of rows
+        (row_seq (T,) their sequences, positions (T,)), their rows computed once per group."""
+        views = {}
+        for name, g in self.groups.items():
+            rows = np.empty(len(positions), np.int64)
+            for seq in np.unique(row_seq):
+                sel = row_seq == seq
+                rows[sel] = g.rows_of(int(seq), positions[sel])
+            views[name] = (g.kv_pos, rows, (row_seq, g.tables, SHIFT, g.n_slots))
+
+        def kv_of(il: int):
+            kv_pos, rows, paging = views[self.layer_groups[il]]
+            return self.k[il], self.v[il], kv_pos, rows, 0, paging
+
+        return kv_of

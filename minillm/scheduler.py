@@ -1,0 +1,443 @@
+"""The batching scheduler: many sequences decoded together (continuous batching).
+
+Requests join a running batch at token boundaries and leave when they finish. Each step:
+  1. cancelled requests leave (their slots are free again);
+  2. queued requests are admitted, best (priority, arrival) first, while slots are free; when
+     none is and a request of higher priority waits, the running request with the lowest
+     priority (the latest among equals) is preempted: back to the queue, resumed later from its
+     tokens;
+  3. rows are planned: one decode row per running sequence that has a token to evaluate, then
+     prompt chunks within a budget of `batch` prompt tokens; cells come from the pool in blocks
+     (kv_pool.py), and when it runs dry idle slots' cached cells are evicted, then the lowest
+     priority running request is preempted;
+  4. one forward over all rows (Transformer.forward_rows): the weights stream once for the step;
+  5. every sequence whose rows reached its last token samples one (its own sampler and seed),
+     streams a Chunk, and leaves when finished.
+
+Batch invariance: forward_rows computes every row as if it were alone (one kernel path per
+row), so a request's tokens are the same alone, among others, chunked or preempted
+(docs/fidelity.md). A finished request's cells stay in its slot: a later request whose prompt
+starts with the same tokens (the next chat turn, a shared system prompt) evaluates only the rest.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import MinillmError
+from .generate import Chunk, StopMatcher, Timings
+from .kv_pool import KVPool
+from .sampling import Sampler, SamplingParams
+
+DEFAULT_PARALLEL = 4
+DEFAULT_CHUNK = 128  # prompt tokens a step: small enough that running streams keep flowing
+POLICIES = ("priority", "fcfs")
+
+
+@dataclass
+class Request:
+    prompt: object                    # text, a conversation (list of {role, content}), or token ids
+    max_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    priority: int = 0                 # lower runs first; first come, first served within a priority
+    ignore_eos: bool = False
+    id: object = None                 # the caller's name for it (echoed in results)
+
+
+class Handle:
+    """A submitted request. Iterate it for its Chunks (as Model.generate(stream=True) yields
+    them; the last has a finish_reason), or call result(); cancel() ends it at the next step."""
+
+    def __init__(self, scheduler: "Scheduler", request: Request, prompt_ids: list[int], arrival: int):
+        self.request = request
+        self.prompt_ids = prompt_ids
+        self.generated: list[int] = []
+        self.arrival = arrival
+        self.finish_reason: str | None = None
+        self.timings = Timings()
+        self.n_cached = 0             # prompt tokens found in a slot's cells (not evaluated again)
+        self.n_preempted = 0
+        self.first_step: int | None = None  # the scheduler step in which it first ran
+        self.slot: "_Slot | None" = None
+        self._scheduler = scheduler
+        self._sampler = Sampler(request.sampling)
+        self._decoder = scheduler.tokenizer.stream_decoder()
+        self._stops = StopMatcher(list(request.stop))
+        self._chunks: deque[Chunk] = deque()
+        self._error: BaseException | None = None
+        self._cv = threading.Condition()
+        self._cancel = False
+        self._t_admit = self._t_first = 0.0
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt and generated tokens: what the slot must hold to go on."""
+        return self.prompt_ids + self.generated
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self._error is not None
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.request.priority if self._scheduler.policy == "priority" else 0, self.arrival)
+
+    def cancel(self) -> None:
+        self._cancel = True
+
+    def __iter__(self):
+        while True:
+            chunk = self._take()
+            if chunk is None:
+                return
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+
+    def result(self):
+        from .model import Result
+
+        return Result.collect(iter(self))
+
+    # -- the scheduler's side ----------------------------------------------------------
+    def _take(self) -> Chunk | None:
+        while True:
+            with self._cv:
+                if self._chunks:
+                    return self._chunks.popleft()
+                if self._error is not None:
+                    raise self._error
+                if self.finish_reason is not None:
+                    return None
+                if self._scheduler.threaded:
+                    self._cv.wait(0.5)
+                    continue
+            if not self._scheduler.step():
+                raise MinillmError("the scheduler has nothing to run for this request")
+
+    def _put(self, chunk: Chunk) -> None:
+        with self._cv:
+            self._chunks.append(chunk)
+            if chunk.finish_reason is not None:
+                self.finish_reason = chunk.finish_reason
+            self._cv.notify_all()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cv:
+            self._error = error
+            self._cv.notify_all()
+
+    def _emit(self, token: int, n_ctx: int) -> bool:
+        """Stream a sampled token; True when the request is finished."""
+        now = time.perf_counter()
+        t = self.timings
+        if token in self._eog:
+            self._finish("stop", now)
+            return True
+        self.generated.append(token)
+        t.n_generated += 1
+        text, stopped = self._stops.push(self._decoder.feed(token))
+        t.generate_s = now - self._t_first
+        if stopped:
+            self._put(Chunk(text, token, "stop", t))
+            return True
+        self._put(Chunk(text, token, None, t))
+        if t.n_generated >= self.request.max_tokens or len(self.tokens) >= n_ctx:
+            self._finish("length", now)
+            return True
+        return False
+
+    def _finish(self, reason: str, now: float) -> None:
+        text, _ = self._stops.push(self._decoder.flush())
+        if self._t_first:
+            self.timings.generate_s = now - self._t_first
+        self._put(Chunk(text + self._stops.flush(), None, reason, self.timings))
+
+
+class _Slot:
+    """One sequence's place in the pool: the tokens its cells hold, the request running in it."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.tokens: list[int] = []
+        self.handle: Handle | None = None
+        self.last_used = 0
+
+
+class Scheduler:
+    """Continuous batching over one model: submit() requests, then step() (or start() a thread
+    that steps while there is work). `parallel` sequences at once, each up to n_ctx positions,
+    their cells from a pool of kv_cells (default: enough for every slot's full context; pages
+    are touched only when written)."""
+
+    def __init__(self, model, parallel: int = DEFAULT_PARALLEL, n_ctx: int | None = None,
+                 batch: int = DEFAULT_CHUNK, kv_cells: int | None = None, policy: str = "priority"):
+        if model.backend is not None:
+            raise MinillmError("batched generation runs on the CPU only for now (use --device cpu)")
+        if policy not in POLICIES:
+            raise MinillmError(f"unknown scheduling policy {policy!r} (choose from {', '.join(POLICIES)})")
+        if parallel < 1:
+            raise MinillmError(f"parallel must be at least 1, not {parallel}")
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.policy = policy
+        self.n_ctx = n_ctx or min(4096, model.hp.n_ctx_train)
+        self.batch = max(1, min(batch, self.n_ctx))
+        kv_cells = max(kv_cells or parallel * self.n_ctx, self.n_ctx)  # one request always fits alone
+        self.pool = KVPool(model.arch, parallel, self.n_ctx, kv_cells, self.batch)
+        self.slots = [_Slot(i) for i in range(parallel)]
+        self.queue: list[Handle] = []
+        self.threaded = False
+        self.n_steps = 0
+        self.n_evaluated = 0  # rows evaluated so far (prompt and generated tokens)
+        self._arrivals = itertools.count()
+        self._lock = threading.RLock()       # queue and slots
+        self._step_lock = threading.Lock()   # one step at a time
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    # -- requests --------------------------------------------------------------------
+    def submit(self, request: Request) -> Handle:
+        """Queue a request; MinillmError at once if it cannot run (an over-long prompt...)."""
+        prompt = request.prompt
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
+            ids = [int(t) for t in self.model.check_ids(prompt)]
+        elif isinstance(prompt, (str, list)):
+            ids = self.model.prompt_ids(prompt)
+        else:
+            raise MinillmError("a prompt is text, a list of messages or a list of token ids")
+        if not ids:
+            raise MinillmError("the prompt is empty")
+        if len(ids) >= self.n_ctx:
+            raise MinillmError(f"the prompt is {len(ids)} tokens, longer than the context of {self.n_ctx} "
+                               f"(at most {self.n_ctx - 1})")
+        if request.max_tokens < 0:
+            raise MinillmError(f"max_tokens must be at least 0, not {request.max_tokens}")
+        handle = Handle(self, request, ids, next(self._arrivals))
+        handle._eog = set() if request.ignore_eos else self.tokenizer.eog_ids
+        if request.max_tokens == 0:
+            handle._finish("length", time.perf_counter())
+            return handle
+        with self._lock:
+            self.queue.append(handle)
+            self._wake.notify_all()
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        handle.cancel()
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"running": sum(s.handle is not None for s in self.slots), "queued": len(self.queue),
+                    "slots": len(self.slots), "free_cells": self.pool.free_cells, "cells": self.pool.n_cells,
+                    "steps": self.n_steps, "evaluated": self.n_evaluated}
+
+    def run(self, handles, on_finish=None) -> None:
+        """Step until every handle is done; on_finish(handle) as each one ends."""
+        pending = list(handles)
+        while pending:
+            still = []
+            for h in pending:
+                if not h.done:
+                    still.append(h)
+                elif on_finish is not None:
+                    on_finish(h)
+            pending = still
+            if pending and not self.step() and not any(h.done for h in pending):
+                raise MinillmError("the scheduler stalled")  # cannot happen: a bug if it does
+
+    # -- a thread for servers --------------------------------------------------------
+    def start(self) -> None:
+        """Step in a background thread while there is work (handles then wait on it)."""
+        if self._thread is None:
+            self.threaded, self._stop = True, False
+            self._thread = threading.Thread(target=self._loop, name="minillm-scheduler", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread, self.threaded = None, False
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self.queue and all(s.handle is None for s in self.slots):
+                    self._wake.wait()
+                if self._stop:
+                    return
+            self.step()
+
+    # -- one step --------------------------------------------------------------------
+    def step(self) -> bool:
+        """Admit, plan, evaluate and sample once; False when there was nothing to do."""
+        with self._step_lock:
+            with self._lock:
+                self._drop_cancelled()
+                self._admit()
+                plan = self._plan()
+            if not plan:
+                return False
+            self.n_steps += 1
+            try:
+                logits, outputs = self._forward(plan)
+            except Exception as exc:  # a kernel error: those requests fail, the slots are freed
+                with self._lock:
+                    for handle, _ in plan:
+                        self._leave(handle, clear=True)
+                        handle._fail(exc)
+                return True
+            with self._lock:
+                self._sample(logits, outputs)
+            return True
+
+    def _drop_cancelled(self) -> None:
+        now = time.perf_counter()
+        for handle in [h for h in self.queue if h._cancel]:
+            self.queue.remove(handle)
+            handle._finish("cancelled", now)
+        for slot in self.slots:
+            if slot.handle is not None and slot.handle._cancel:
+                handle = slot.handle
+                self._leave(handle)
+                handle._finish("cancelled", now)
+
+    def _admit(self) -> None:
+        while self.queue:
+            handle = min(self.queue, key=lambda h: h.sort_key)
+            free = [s for s in self.slots if s.handle is None]
+            if not free:
+                victim = max((s.handle for s in self.slots), key=lambda h: h.sort_key)
+                if self.policy != "priority" or victim.request.priority <= handle.request.priority:
+                    return
+                self._preempt(victim)
+                continue
+            self.queue.remove(handle)
+            self._place(handle, free)
+
+    def _place(self, handle: Handle, free: list[_Slot]) -> None:
+        """Run handle in the free slot whose cells share the longest prefix with its tokens."""
+        tokens = handle.tokens
+
+        def shared(slot: _Slot) -> int:
+            if not self.pool.reusable(len(slot.tokens)):
+                return 0
+            n, limit = 0, min(len(slot.tokens), len(tokens) - 1)  # leave one token to evaluate
+            while n < limit and slot.tokens[n] == tokens[n]:
+                n += 1
+            return n
+
+        slot = max(free, key=lambda s: (shared(s), -s.last_used))
+        keep = shared(slot)
+        self.pool.release(slot.index, keep)
+        del slot.tokens[keep:]
+        slot.handle = handle
+        handle.slot = slot
+        if handle.first_step is None:
+            handle.first_step = self.n_steps
+            handle.n_cached = min(keep, len(handle.prompt_ids))
+            handle._t_admit = time.perf_counter()
+
+    def _preempt(self, handle: Handle) -> None:
+        """Back to the queue; its cells stay in the slot (reused if it gets them back intact)."""
+        self._leave(handle)
+        handle.n_preempted += 1
+        self.queue.append(handle)
+
+    def _leave(self, handle: Handle, clear: bool = False) -> None:
+        slot = handle.slot
+        if slot is None:
+            return
+        slot.handle, handle.slot = None, None
+        slot.last_used = self.n_steps
+        if clear:
+            self.pool.release(slot.index)
+            slot.tokens = []
+
+    def _plan(self) -> list[tuple[Handle, int]]:
+        """(handle, rows) for this step: decode rows first, then prompt chunks within the budget;
+        blocks assigned for all of them."""
+        while True:
+            running = sorted((s.handle for s in self.slots if s.handle is not None), key=lambda h: h.sort_key)
+            plan, budget = [], self.batch
+            for handle in running:
+                pending = len(handle.tokens) - len(handle.slot.tokens)
+                if pending == 1:
+                    plan.append((handle, 1))
+            for handle in running:
+                pending = len(handle.tokens) - len(handle.slot.tokens)
+                if pending > 1 and budget > 0:
+                    n = min(pending, budget)
+                    plan.append((handle, n))
+                    budget -= n
+            if self._assign_blocks(plan):
+                return plan
+
+    def _assign_blocks(self, plan) -> bool:
+        """Blocks for every planned row; False after making room (plan again)."""
+        for handle, n in plan:
+            start = len(handle.slot.tokens)
+            needed = self.pool.blocks_needed(handle.slot.index, start, start + n)
+            if self.pool.can_assign(needed):
+                self.pool.assign(handle.slot.index, needed)
+                continue
+            idle = sorted((s for s in self.slots if s.handle is None and s.tokens), key=lambda s: s.last_used)
+            if idle:
+                self.pool.release(idle[0].index)
+                idle[0].tokens = []
+                return False
+            victim = max((s.handle for s in self.slots if s.handle is not None), key=lambda h: h.sort_key)
+            slot = victim.slot
+            self._preempt(victim)
+            self.pool.release(slot.index)  # its cells go back to the pool: it will be recomputed
+            slot.tokens = []
+            return False
+        return True
+
+    def _forward(self, plan):
+        """One forward over the plan's rows; (logits of the output rows, their handles)."""
+        inner, last = [], []  # rows as (slot, position, token); a sequence's newest row last
+        outputs = []
+        for handle, n in plan:
+            slot = handle.slot
+            start = len(slot.tokens)
+            rows = [(slot.index, start + i, handle.tokens[start + i]) for i in range(n)]
+            if start + n == len(handle.tokens):  # its last token: sample after it
+                inner.extend(rows[:-1])
+                last.append(rows[-1])
+                outputs.append(handle)
+            else:
+                inner.extend(rows)
+        rows = np.array(inner + last, np.int64).reshape(-1, 3)
+        row_seq, positions, ids = rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy()
+        kv_of = self.pool.batch_kv(row_seq, positions)
+        logits = self.model.arch.forward_rows(ids, positions, kv_of, len(inner))
+        for handle, n in plan:
+            slot = handle.slot
+            start = len(slot.tokens)
+            slot.tokens.extend(handle.tokens[start:start + n])
+            handle.timings.n_prompt += max(0, min(start + n, len(handle.prompt_ids)) - start)
+        self.n_evaluated += len(ids)
+        return logits, outputs
+
+    def _sample(self, logits: np.ndarray, outputs: list[Handle]) -> None:
+        now = time.perf_counter()
+        for row, handle in zip(logits, outputs):
+            if handle.slot is None:  # preempted meanwhile: it resumes from its tokens
+                continue
+            if not handle._t_first:
+                handle._t_first = now
+                handle.timings.prompt_s = now - handle._t_admit
+            token = handle._sampler(row, handle.tokens)
+            if handle._emit(token, self.n_ctx):
+                self._leave(handle)
