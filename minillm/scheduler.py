@@ -118,7 +118,7 @@ class Handle:
                 if self._scheduler.threaded:
                     self._cv.wait(0.5)
                     continue
-            if not self._scheduler.step():
+            if not self._scheduler.step() and not self._chunks and not self.done:
                 raise MinillmError("the scheduler has nothing to run for this request")
 
     def _put(self, chunk: Chunk) -> None:

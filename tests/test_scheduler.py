@@ -10,6 +10,7 @@ import pytest
 from conftest import REPORT, golden_rows, loaded_model, model_path
 from minillm.batch_input import make_request
 from minillm.errors import MinillmError
+from minillm.kv_pool import KVPool
 from minillm.sampling import SamplingParams
 from minillm.scheduler import Request
 
@@ -53,35 +54,34 @@ def test_sixteen_requests_at_once_each_equal_alone(name):
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-def test_greedy_batched_agrees_with_generate(name):
-    """generate evaluates a prompt as llama.cpp does (one batch: its batch kernels); the
-    scheduler evaluates every row as a lone token. Both are llama.cpp's arithmetic for their
-    batch shape; the greedy continuations agree but for rare near-ties (docs/fidelity.md)."""
+def test_rows_against_llama_cpp_teacher_forced(name):
+    """The scheduler computes every row as llama.cpp computes a batch of one token; the golden
+    data came from llama.cpp's batched prompt evaluation. Under int8 activation quantization the
+    two differ by tenths of a logit (docs/fidelity.md): measure how far, on golden rows
+    (their whole sequences through forward_rows, 256 rows a call)."""
     m = loaded_model(name)
-    rows = golden_rows(name)
-    scheduler = m.scheduler(parallel=8, n_ctx=2048)
-    greedy = SamplingParams(temperature=0)
-    n = 24
-    handles = [scheduler.submit(Request(r["prompt_ids"], n, greedy, ignore_eos=True)) for r in rows]
-    same = total = identical = 0
-    for row, handle in zip(rows, handles):
-        batched = handle.result().tokens
-        reference = _generate_ids(m, row["prompt_ids"], n)
-        k = next((i for i, (a, b) in enumerate(zip(batched, reference)) if a != b), n)
-        same += k
-        total += n
-        identical += k == n
-    REPORT.append(f"{name}: batched greedy vs generate: {identical}/{len(rows)} continuations identical "
-                  f"for {n} tokens, {same}/{total} tokens before the first difference")
-    assert identical >= len(rows) - 2
-
-
-def _generate_ids(m, prompt_ids, n):
-    from minillm.generate import Session
-
-    session = Session(m, n_ctx=2048)
-    out = [c.token for c in session.generate(prompt_ids, n, SamplingParams(temperature=0), ignore_eos=True)]
-    return [t for t in out if t is not None]
+    rows = sorted(golden_rows(name), key=lambda r: len(r["prompt_ids"]))[:8]  # the shorter ones
+    agree = steps = 0
+    diffs = []
+    for row in rows:
+        prompt, seq = row["prompt_ids"], row["prompt_ids"] + [s["next"] for s in row["steps"][:-1]]
+        pool = KVPool(m.arch, n_seqs=1, n_ctx=len(seq) + 1, n_cells=len(seq) + 1, n_batch=256)
+        logits = []
+        for start in range(0, len(seq), 256):
+            pos = np.arange(start, min(start + 256, len(seq)), dtype=np.int64)
+            pool.assign(0, pool.blocks_needed(0, start, pos[-1] + 1))
+            ids = np.asarray(seq, np.int64)[pos]
+            out_from = min(max(0, len(prompt) - 1 - start), len(pos))  # logits from the prompt's last token
+            kv_of = pool.batch_kv(np.zeros(len(pos), np.int64), pos)
+            logits.append(m.arch.forward_rows(ids, pos, kv_of, out_from))
+        logits = np.concatenate(logits)
+        for i, step in enumerate(row["steps"]):
+            agree += int(np.argmax(logits[i]) == step["next"])
+            diffs.extend(abs(float(logits[i][tok]) - val) for tok, val in step["top"])
+        steps += len(row["steps"])
+    REPORT.append(f"{name}: scheduler rows vs llama.cpp's batched prompts: greedy {agree}/{steps}, "
+                  f"mean |logit diff| over the top-10 {np.mean(diffs):.4f}")
+    assert agree / steps >= 0.95 and np.mean(diffs) < 0.3
 
 
 def test_preempted_low_priority_request_finishes_as_alone():
