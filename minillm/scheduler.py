@@ -188,9 +188,10 @@ class Scheduler:
         self.tokenizer = model.tokenizer
         self.policy = policy
         self.n_ctx = n_ctx or min(4096, model.hp.n_ctx_train)
-        self.batch = max(1, min(batch, self.n_ctx))
+        self.batch = max(1, batch)  # prompt tokens a step, all sequences together
         kv_cells = max(kv_cells or parallel * self.n_ctx, self.n_ctx)  # one request always fits alone
-        self.pool = KVPool(model.arch, parallel, self.n_ctx, kv_cells, self.batch)
+        # a sequence takes at most min(batch, n_ctx) rows a step: the windows' rings hold that much more
+        self.pool = KVPool(model.arch, parallel, self.n_ctx, kv_cells, min(self.batch, self.n_ctx))
         self.slots = [_Slot(i) for i in range(parallel)]
         self.queue: list[Handle] = []
         self.threaded = False
