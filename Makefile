@@ -19,7 +19,7 @@ models: install
 	$(PY) models/fetch.py
 
 test: install models
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

@@ -73,4 +73,33 @@ def run_parallel_bench(path, levels: list[int], n_prompt: int, n_gen: int, threa
         t_tg = time.perf_counter() - t0 - t_pp
         result["levels"].append({"parallel": n_seq, "t_pp": round(t_pp, 4), "s_pp": round(n_seq * n_prompt / t_pp, 2),
                                  "t_tg": round(t_tg, 4), "s_tg": round(n_seq * n_gen / t_tg, 2)})
+    result["admission"] = admission_gaps(model, rng)
     return result
+
+
+def admission_gaps(model: Model, rng, long_prompt: int = 1000, before: int = 32) -> dict:
+    """A stream's inter-token gaps while a long prompt is admitted beside it: the median of its
+    gaps before (decoding alone) and the median and p99 of its gaps from the submission until the
+    long prompt's first token (greedy, end tokens ignored)."""
+    from .sampling import SamplingParams
+    from .scheduler import Request
+
+    greedy = SamplingParams(temperature=0)
+    scheduler = model.scheduler(parallel=2, n_ctx=long_prompt + 1024)
+    stream = scheduler.submit(Request(rng.integers(0, model.n_vocab, size=32).tolist(), 1000, greedy,
+                                      ignore_eos=True))
+    times, big = [], None
+    for _ in stream:
+        times.append(time.perf_counter())
+        if len(times) == before:
+            big = scheduler.submit(Request(rng.integers(0, model.n_vocab, size=long_prompt).tolist(), 1, greedy,
+                                           ignore_eos=True))
+        if big is not None and big.done:
+            stream.cancel()
+            break
+    gaps = np.diff(np.array(times)) * 1e3  # ms; gaps[i] ends at token i + 1
+    alone, during = gaps[1:before - 1], gaps[before - 1:]
+    return {"prompt": long_prompt, "median_alone_ms": round(float(np.median(alone)), 2),
+            "median_ms": round(float(np.median(during)), 2), "p99_ms": round(float(np.percentile(during, 99)), 2),
+            "p99_over_median_alone": round(float(np.percentile(during, 99) / np.median(alone)), 2),
+            "admission_steps": len(during)}

@@ -100,7 +100,7 @@ def register(app: typer.Typer) -> None:
             None, "--batch-file", help="Run the requests of a JSONL file ('-': stdin) together: one JSON "
             "result line each, in order."),
         parallel: int = typer.Option(4, "--parallel", min=1, max=256, help="With --batch-file: sequences at once."),
-        batch: int = typer.Option(128, "--batch", min=1, max=1 << 16,
+        batch: int = typer.Option(512, "--batch", min=1, max=1 << 16,
                                   help="With --batch-file: prompt tokens evaluated a step, at most."),
     ):
         """Generate text from a prompt (-p, -f or stdin), or for every line of --batch-file."""

@@ -7,7 +7,8 @@ Requests join a running batch at token boundaries and leave when they finish. Ea
      priority (the latest among equals) is preempted: back to the queue, resumed later from its
      tokens;
   3. rows are planned: one decode row per running sequence that has a token to evaluate, then
-     prompt chunks within a budget of `batch` prompt tokens; cells come from the pool in blocks
+     prompt chunks within a budget (prompt_budget: `batch` tokens, fewer while sequences
+     decode, so that their streams keep flowing); cells come from the pool in blocks
      (kv_pool.py), and when it runs dry idle slots' cached cells are evicted, then the lowest
      priority running request is preempted;
   4. one forward over all rows (Transformer.forward_rows): the weights stream once for the step;
@@ -35,7 +36,8 @@ from .kv_pool import KVPool
 from .sampling import Sampler, SamplingParams
 
 DEFAULT_PARALLEL = 4
-DEFAULT_CHUNK = 128  # prompt tokens a step: small enough that running streams keep flowing
+DEFAULT_CHUNK = 512  # prompt tokens a step, at most
+STREAM_SHARE, MIN_PROMPT_ROWS = 2, 2  # prompt rows a step per decoding row, and at least (prompt_budget)
 POLICIES = ("priority", "fcfs")
 
 
@@ -370,11 +372,8 @@ class Scheduler:
         blocks assigned for all of them."""
         while True:
             running = sorted((s.handle for s in self.slots if s.handle is not None), key=lambda h: h.sort_key)
-            plan, budget = [], self.batch
-            for handle in running:
-                pending = len(handle.tokens) - len(handle.slot.tokens)
-                if pending == 1:
-                    plan.append((handle, 1))
+            plan = [(h, 1) for h in running if len(h.tokens) - len(h.slot.tokens) == 1]
+            budget = self.prompt_budget(len(plan))
             for handle in running:
                 pending = len(handle.tokens) - len(handle.slot.tokens)
                 if pending > 1 and budget > 0:
@@ -383,6 +382,16 @@ class Scheduler:
                     budget -= n
             if self._assign_blocks(plan):
                 return plan
+
+    def prompt_budget(self, n_decoding: int) -> int:
+        """Prompt rows this step. While sequences decode, a step carries at most STREAM_SHARE
+        prompt rows per decoding row (at least MIN_PROMPT_ROWS): a row costs about the same
+        whichever kind it is, so a running stream's steps stay under ~3x their usual time while a
+        long prompt is read. With nothing decoding, the whole `batch`. (Every row is computed
+        alone, so how prompts are cut never changes a result.)"""
+        if not n_decoding:
+            return self.batch
+        return min(self.batch, max(MIN_PROMPT_ROWS, STREAM_SHARE * n_decoding))
 
     def _assign_blocks(self, plan) -> bool:
         """Blocks for every planned row; False after making room (plan again)."""

@@ -1,3 +1,4 @@
+import signal
 import sys
 from pathlib import Path
 
@@ -10,6 +11,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cuda_env  # noqa: E402
 
 cuda_env.use_simulator_unless_real()  # before numba.cuda is imported; MINILLM_CUDA_REAL=1: a real GPU
+
+# The Ctrl+C tests send SIGINT to child processes. A shell's background job starts with SIGINT
+# ignored, and an ignored signal stays ignored in every child: with a handler here, the children
+# start with the default (Python's KeyboardInterrupt) whatever started the test run.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 MODELS = {
     "smollm2": ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf",

