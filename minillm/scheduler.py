@@ -70,6 +70,7 @@ class Handle:
         self._scheduler = scheduler
         self._sampler = Sampler(request.sampling)
         self._decoder = scheduler.tokenizer.stream_decoder()
+        self._eog = set() if request.ignore_eos else scheduler.tokenizer.eog_ids
         self._stops = StopMatcher(list(request.stop))
         self._chunks: deque[Chunk] = deque()
         self._error: BaseException | None = None
@@ -150,7 +151,7 @@ class Handle:
             self._put(Chunk(text, token, "stop", t))
             return True
         self._put(Chunk(text, token, None, t))
-        if t.n_generated >= self.request.max_tokens or len(self.tokens) >= n_ctx:
+        if t.n_generated >= self.request.max_tokens or len(self.prompt_ids) + len(self.generated) >= n_ctx:
             self._finish("length", now)
             return True
         return False
@@ -224,7 +225,6 @@ class Scheduler:
         if request.max_tokens < 0:
             raise MinillmError(f"max_tokens must be at least 0, not {request.max_tokens}")
         handle = Handle(self, request, ids, next(self._arrivals))
-        handle._eog = set() if request.ignore_eos else self.tokenizer.eog_ids
         if request.max_tokens == 0:
             handle._finish("length", time.perf_counter())
             return handle
