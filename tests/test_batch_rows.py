@@ -39,15 +39,19 @@ def run_schedule(model, pool, seqs, steps):
 
 @pytest.mark.parametrize("arch,fmt", [("llama", "Q4_K"), ("llama", "Q6_K"), ("gemma3", "Q4_0"), ("gemma3", "Q4_K")])
 def test_rows_of_a_mixed_batch_equal_each_sequence_alone(tmp_path, arch, fmt):
-    # gemma3 with 7 layers: 6 sliding-window layers (window 8) and a global one; one sequence
-    # runs past position 256, where a lone query's attention splits its cells across threads
+    # gemma3 with 7 layers: 6 sliding-window layers (window 8) and a global one; in one case a
+    # sequence runs past position 256, where a lone query's attention splits its cells across
+    # threads (the others keep it short: its lone evaluation is one call a token)
     sm = SyntheticModel(arch, fmt, n_layer=2 if arch == "llama" else 7).build()
     model = minillm.load(sm.write(tmp_path / "m.gguf"))
     rng = np.random.default_rng(5)
-    seqs = {0: rng.integers(0, sm.n_vocab, 300), 1: rng.integers(0, sm.n_vocab, 23),
+    long = arch == "gemma3" and fmt == "Q4_K"
+    chunks = (128, 100, 50, 22) if long else (30, 20, 5, 5)
+    seqs = {0: rng.integers(0, sm.n_vocab, sum(chunks)), 1: rng.integers(0, sm.n_vocab, 23),
             2: rng.integers(0, sm.n_vocab, 20)}
     pool = KVPool(model.arch, n_seqs=3, n_ctx=512, n_cells=3 * 512, n_batch=128)
-    steps = [[(0, 128), (1, 9)], [(0, 100), (1, 5), (2, 12)], [(0, 50), (1, 1)], [(1, 1), (0, 22), (2, 1)]]
+    steps = [[(0, chunks[0]), (1, 9)], [(0, chunks[1]), (1, 5), (2, 12)], [(0, chunks[2]), (1, 1)],
+             [(1, 1), (0, chunks[3]), (2, 1)]]
     steps += [[(1, 1), (2, 1)]] * 7
     got = run_schedule(model, pool, seqs, steps)
     for s, ids in seqs.items():
