@@ -22,14 +22,14 @@ BLOCK = 1 << SHIFT  # cells per block
 class PoolGroup:
     """One group's pool: blocks of BLOCK rows, a block table per sequence, a free list."""
 
-    def __init__(self, n_slots: int, n_blocks: int, n_seqs: int):
+    def __init__(self, n_slots: int, n_blocks: int, n_seqs: int, windowed: bool):
         self.n_slots = n_slots                                   # slots a sequence sees
+        self.windowed = windowed                                 # a ring smaller than the context
         self.n_blocks = n_blocks
         self.width = -(-n_slots // BLOCK)                        # blocks a table can name
         self.tables = np.full((n_seqs, self.width), -1, np.int64)  # (n_seqs, width) block ids, -1 = none
         self.kv_pos = np.full(n_blocks * BLOCK, -1, np.int64)    # (rows,) position held by each pool row
         self.free = list(range(n_blocks - 1, -1, -1))            # free block ids (pop from the end)
-        self.windowed = False                                    # a ring smaller than the context
 
     def slot_of(self, positions: np.ndarray) -> np.ndarray:
         return positions % self.n_slots if self.windowed else positions
@@ -81,9 +81,7 @@ class KVPool:
         for name, size in sizes.items():
             windowed = size < n_ctx
             n_blocks = n_seqs * -(-size // BLOCK) if windowed else max(-(-n_cells // BLOCK), -(-size // BLOCK))
-            group = PoolGroup(size, n_blocks, n_seqs)
-            group.windowed = windowed
-            self.groups[name] = group
+            self.groups[name] = PoolGroup(size, n_blocks, n_seqs, windowed)
         # per layer: (rows, Hkv, D) uint16 float16 bit patterns; pages are touched only when written
         self.k = [np.zeros((self.groups[g].n_blocks * BLOCK, hp.n_head_kv, hp.head_dim), np.uint16)
                   for g in self.layer_groups]

@@ -80,8 +80,12 @@ class Handle:
 
     @property
     def tokens(self) -> list[int]:
-        """Prompt and generated tokens: what the slot must hold to go on."""
+        """Prompt and generated tokens: what the slot must hold to go on (a new list)."""
         return self.prompt_ids + self.generated
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.generated)
 
     @property
     def done(self) -> bool:
@@ -151,7 +155,7 @@ class Handle:
             self._put(Chunk(text, token, "stop", t))
             return True
         self._put(Chunk(text, token, None, t))
-        if t.n_generated >= self.request.max_tokens or len(self.prompt_ids) + len(self.generated) >= n_ctx:
+        if t.n_generated >= self.request.max_tokens or self.n_tokens >= n_ctx:
             self._finish("length", now)
             return True
         return False
@@ -372,10 +376,10 @@ class Scheduler:
         blocks assigned for all of them."""
         while True:
             running = sorted((s.handle for s in self.slots if s.handle is not None), key=lambda h: h.sort_key)
-            plan = [(h, 1) for h in running if len(h.tokens) - len(h.slot.tokens) == 1]
+            plan = [(h, 1) for h in running if h.n_tokens - len(h.slot.tokens) == 1]
             budget = self.prompt_budget(len(plan))
             for handle in running:
-                pending = len(handle.tokens) - len(handle.slot.tokens)
+                pending = handle.n_tokens - len(handle.slot.tokens)
                 if pending > 1 and budget > 0:
                     n = min(pending, budget)
                     plan.append((handle, n))
@@ -421,8 +425,9 @@ class Scheduler:
         for handle, n in plan:
             slot = handle.slot
             start = len(slot.tokens)
-            rows = [(slot.index, start + i, handle.tokens[start + i]) for i in range(n)]
-            if start + n == len(handle.tokens):  # its last token: sample after it
+            tokens = handle.tokens
+            rows = [(slot.index, start + i, tokens[start + i]) for i in range(n)]
+            if start + n == len(tokens):  # its last token: sample after it
                 inner.extend(rows[:-1])
                 last.append(rows[-1])
                 outputs.append(handle)
