@@ -11,24 +11,24 @@ from .sampling import SamplingParams
 from .scheduler import Request
 
 # field -> (type check, what it must be)
-_SAMPLING_FIELDS = {
-    "temperature": (lambda v: _number(v) and v >= 0, "a number >= 0"),
-    "top_p": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "top_k": (lambda v: _integer(v) and v >= 0, "an integer >= 0"),
-    "min_p": (lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "seed": (lambda v: _integer(v) and 0 <= v < 2 ** 64, "an integer in [0, 2^64)"),
-    "repeat_penalty": (lambda v: _number(v) and v > 0, "a number > 0"),
-    "presence_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
-    "frequency_penalty": (lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+SAMPLING_FIELDS = {
+    "temperature": (lambda v: is_number(v) and v >= 0, "a number >= 0"),
+    "top_p": (lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "top_k": (lambda v: is_integer(v) and v >= 0, "an integer >= 0"),
+    "min_p": (lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "seed": (lambda v: is_integer(v) and 0 <= v < 2 ** 64, "an integer in [0, 2^64)"),
+    "repeat_penalty": (lambda v: is_number(v) and v > 0, "a number > 0"),
+    "presence_penalty": (lambda v: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "frequency_penalty": (lambda v: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
 }
-FIELDS = ("id", "prompt", "messages", "max_tokens", "stop", "priority", *_SAMPLING_FIELDS)
+FIELDS = ("id", "prompt", "messages", "max_tokens", "stop", "priority", *SAMPLING_FIELDS)
 
 
-def _number(v) -> bool:
+def is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _integer(v) -> bool:
+def is_integer(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -46,10 +46,10 @@ def make_request(item, max_tokens: int = 128, sampling: SamplingParams | None = 
         raise MinillmError("give exactly one of 'prompt' and 'messages'")
     prompt = _prompt(item["prompt"], "prompt") if "prompt" in item else _prompt(item["messages"], "messages")
     n = item.get("max_tokens", max_tokens)
-    if not _integer(n) or not 0 <= n <= 1 << 20:
+    if not is_integer(n) or not 0 <= n <= 1 << 20:
         raise MinillmError(f"'max_tokens' must be an integer in [0, {1 << 20}], not {n!r}")
     priority = item.get("priority", 0)
-    if not _integer(priority) or abs(priority) > 1 << 31:
+    if not is_integer(priority) or abs(priority) > 1 << 31:
         raise MinillmError(f"'priority' must be an integer, not {priority!r}")
     stops = item.get("stop", list(stop))
     if isinstance(stops, str):
@@ -57,7 +57,7 @@ def make_request(item, max_tokens: int = 128, sampling: SamplingParams | None = 
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise MinillmError("'stop' must be a string or a list of strings")
     overrides = {}
-    for key, (ok, what) in _SAMPLING_FIELDS.items():
+    for key, (ok, what) in SAMPLING_FIELDS.items():
         if key in item:
             if not ok(item[key]):
                 raise MinillmError(f"'{key}' must be {what}, not {item[key]!r}")

@@ -38,6 +38,28 @@ class Chunk:
     token: int | None                  # the sampled token id (None on the final chunk)
     finish_reason: str | None = None   # "stop" (end token or stop string) or "length"
     timings: Timings = field(default_factory=Timings)
+    logprobs: "TokenLogprobs | None" = None  # when the request asked for them (scheduler.Request.logprobs)
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's log-probability under the model's distribution (the raw logits'
+    softmax, before any sampler setting), and the most likely tokens with theirs."""
+    logprob: float
+    top: list[tuple[int, float]]       # (token id, logprob), best first
+
+
+def token_logprobs(logits: np.ndarray, token: int, n_top: int) -> TokenLogprobs:
+    """log-softmax of logits (n_vocab,) at token, and the n_top best tokens."""
+    x = logits.astype(np.float64)
+    shifted = x - x.max()
+    log_z = np.log(np.exp(shifted).sum())
+    top = []
+    if n_top > 0:
+        best = np.argpartition(-x, n_top - 1)[:n_top]
+        best = best[np.argsort(-x[best], kind="stable")]
+        top = [(int(i), float(shifted[i] - log_z)) for i in best]
+    return TokenLogprobs(float(shifted[token] - log_z), top)
 
 
 class StopMatcher:
@@ -90,8 +112,8 @@ class Session:
         limit = self.n_ctx - 1
         if len(ids) > limit:
             if not truncate:
-                raise MinillmError(f"the prompt is {len(ids)} tokens, longer than the context of "
-                                   f"{self.n_ctx} (at most {limit}); raise --ctx or use --truncate")
+                raise MinillmError(f"the prompt is {len(ids)} tokens, {len(ids) - limit} more than the context "
+                                   f"of {self.n_ctx} allows (at most {limit}); raise --ctx or use --truncate")
             ids = ids[len(ids) - limit:]
         return ids
 

@@ -55,7 +55,7 @@ class Model:
         release_compiler_pages()  # the compiler is initialized (by the imports): drop it before the weights
         self.path = Path(path)
         self.threads = threads or default_threads()
-        numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
+        self.use_threads()
         self.gguf = GGUFFile(path)
         self.arch = get_architecture(self.gguf.architecture)(self.gguf)
         self.hp = self.arch.hp
@@ -70,6 +70,11 @@ class Model:
         self.gguf.release_pages()
         self._tokenizer = None
         self.load_seconds = time.perf_counter() - t0
+
+    def use_threads(self) -> None:
+        """Numba's thread count is per calling thread: a thread that runs the kernels (the
+        scheduler's) calls this first."""
+        numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
 
     def warm_up(self, on_compile=None) -> None:
         """Run one token through the model so that the compiled kernels are ready, then hand

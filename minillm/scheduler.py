@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import MinillmError
-from .generate import Chunk, StopMatcher, Timings
+from .generate import Chunk, StopMatcher, Timings, token_logprobs
 from .kv_pool import KVPool
 from .sampling import Sampler, SamplingParams
 
@@ -50,6 +50,7 @@ class Request:
     priority: int = 0                 # lower runs first; first come, first served within a priority
     ignore_eos: bool = False
     id: object = None                 # the caller's name for it (echoed in results)
+    logprobs: int | None = None       # None: off; k: each Chunk carries its token's logprob and the k best
 
 
 class Handle:
@@ -77,6 +78,7 @@ class Handle:
         self._cv = threading.Condition()
         self._cancel = False
         self._t_admit = self._t_first = 0.0
+        self.notify = None            # called (from the scheduler's thread) after each new Chunk or error
 
     @property
     def tokens(self) -> list[int]:
@@ -112,6 +114,15 @@ class Handle:
 
         return Result.collect(iter(self))
 
+    def poll(self) -> list[Chunk]:
+        """The Chunks streamed since the last call, without waiting (raises the request's error)."""
+        with self._cv:
+            if not self._chunks and self._error is not None:
+                raise self._error
+            ready = list(self._chunks)
+            self._chunks.clear()
+            return ready
+
     # -- the scheduler's side ----------------------------------------------------------
     def _take(self) -> Chunk | None:
         while True:
@@ -134,13 +145,17 @@ class Handle:
             if chunk.finish_reason is not None:
                 self.finish_reason = chunk.finish_reason
             self._cv.notify_all()
+        if self.notify is not None:
+            self.notify()
 
     def _fail(self, error: BaseException) -> None:
         with self._cv:
             self._error = error
             self._cv.notify_all()
+        if self.notify is not None:
+            self.notify()
 
-    def _emit(self, token: int, n_ctx: int) -> bool:
+    def _emit(self, token: int, n_ctx: int, logprobs=None) -> bool:
         """Stream a sampled token; True when the request is finished."""
         now = time.perf_counter()
         t = self.timings
@@ -152,9 +167,9 @@ class Handle:
         text, stopped = self._stops.push(self._decoder.feed(token))
         t.generate_s = now - self._t_first
         if stopped:
-            self._put(Chunk(text, token, "stop", t))
+            self._put(Chunk(text, token, "stop", t, logprobs))
             return True
-        self._put(Chunk(text, token, None, t))
+        self._put(Chunk(text, token, None, t, logprobs))
         if t.n_generated >= self.request.max_tokens or self.n_tokens >= n_ctx:
             self._finish("length", now)
             return True
@@ -224,8 +239,8 @@ class Scheduler:
         if not ids:
             raise MinillmError("the prompt is empty")
         if len(ids) >= self.n_ctx:
-            raise MinillmError(f"the prompt is {len(ids)} tokens, longer than the context of {self.n_ctx} "
-                               f"(at most {self.n_ctx - 1})")
+            raise MinillmError(f"the prompt is {len(ids)} tokens, {len(ids) - self.n_ctx + 1} more than the "
+                               f"context of {self.n_ctx} allows (at most {self.n_ctx - 1})")
         if request.max_tokens < 0:
             raise MinillmError(f"max_tokens must be at least 0, not {request.max_tokens}")
         handle = Handle(self, request, ids, next(self._arrivals))
@@ -277,6 +292,7 @@ class Scheduler:
             self._thread, self.threaded = None, False
 
     def _loop(self) -> None:
+        self.model.use_threads()
         while True:
             with self._lock:
                 while not self._stop and not self.queue and all(s.handle is None for s in self.slots):
@@ -454,5 +470,7 @@ class Scheduler:
                 handle._t_first = now
                 handle.timings.prompt_s = now - handle._t_admit
             token = handle._sampler(row, handle.tokens)
-            if handle._emit(token, self.n_ctx):
+            n_top = handle.request.logprobs
+            logprobs = None if n_top is None else token_logprobs(row, token, n_top)
+            if handle._emit(token, self.n_ctx, logprobs):
                 self._leave(handle)

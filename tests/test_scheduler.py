@@ -147,7 +147,7 @@ def test_cancel_frees_the_slot_and_prefix_reuse_counts_new_tokens():
     assert scheduler.stats()["evaluated"] - evaluated == n_follow - h2.n_cached + 7
     assert tokens == alone(m, second).tokens
     # a request that cannot fit is refused with the numbers, and the scheduler goes on
-    with pytest.raises(MinillmError, match=r"the prompt is \d+ tokens, longer than the context of 64"):
+    with pytest.raises(MinillmError, match=r"the prompt is \d+ tokens, \d+ more than the context of 64 allows"):
         m.scheduler(parallel=1, n_ctx=64).submit(Request("word " * 100, 4))
     assert scheduler.stats()["running"] == 0
 
@@ -190,7 +190,7 @@ def test_batch_file_good_and_bad_lines(tmp_path):
     records = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["id"] for r in records] == ["a", 2, "b", "c", "d", "e"]
     assert "invalid JSON" in records[1]["error"] and "unknown field 'colour'" in records[3]["error"]
-    assert "longer than the context of 256" in records[4]["error"]
+    assert "more than the context of 256 allows" in records[4]["error"]
     for r in (records[0], records[2], records[5]):
         assert set(r) == {"id", "text", "tokens", "finish_reason", "prompt_tokens"} and r["tokens"] > 0
     m = loaded_model("smollm2")

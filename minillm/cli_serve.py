@@ -1,0 +1,95 @@
+"""`minillm serve`: an OpenAI-compatible HTTP server over one resident model (minillm/server/).
+Starlette and uvicorn are imported here only, so the other commands start as fast as ever."""
+from __future__ import annotations
+
+import gc
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .cli_generate import CTX, MODEL, THREADS
+from .errors import MinillmError
+
+
+def _err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: any free one), or a clear error."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as exc:
+        raise MinillmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def serve(
+        model: Path = MODEL,
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+        port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port (0: any free one, printed)."),
+        parallel: int = typer.Option(4, "--parallel", min=1, max=256, help="Sequences decoded at once."),
+        ctx: Optional[int] = CTX,
+        batch: int = typer.Option(512, "--batch", min=1, max=1 << 16, help="Prompt tokens evaluated a step, at most."),
+        max_queue: int = typer.Option(64, "--max-queue", min=0, max=1 << 20,
+                                      help="Requests waiting for a slot, at most (then 503 with Retry-After)."),
+        api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MINILLM_API_KEY",
+                                              help="Require Authorization: Bearer KEY (not for /health)."),
+        scheduling: str = typer.Option("priority", "--scheduling",
+                                       help="priority (the request's `priority` field, preempting) or fcfs."),
+        threads: Optional[int] = THREADS,
+        verbose: bool = typer.Option(False, "-v", "--verbose", help="Log every request on stderr."),
+    ):
+        """Serve the model over HTTP with OpenAI's API (chat/completions, completions, models)."""
+        gc.enable()  # a long-running process (main turns collection off while commands start)
+        try:
+            import uvicorn
+
+            from .server.app import Server, ServerState, Settings, build_app
+        except ImportError as exc:
+            raise MinillmError(f"minillm serve needs starlette and uvicorn ({exc.name} is missing): "
+                               "pip install 'minillm[server]'") from None
+        from .scheduler import POLICIES
+
+        if scheduling not in POLICIES:
+            raise typer.BadParameter(f"--scheduling is one of {', '.join(POLICIES)}, not {scheduling!r}")
+        if not model.is_file():
+            raise MinillmError(f"no model file at {model}")
+        sock = listen(host, port)
+        state = ServerState(Settings(model, parallel, ctx, batch, max_queue, api_key or None, scheduling, threads))
+        config = uvicorn.Config(build_app(state), lifespan="off", log_level="info" if verbose else "warning",
+                                access_log=verbose, timeout_graceful_shutdown=3, timeout_keep_alive=5)
+        server = Server(config, state)
+        bound_host, bound_port = sock.getsockname()[:2]
+        url = f"http://{bound_host if ':' not in bound_host else f'[{bound_host}]'}:{bound_port}"
+        _err(f"minillm serve: {url} (loading {model.name}; /health answers 503 until it is ready)")
+
+        def ready(state) -> None:
+            s = state.scheduler
+            _err(f"minillm serve: ready: {state.model_name}, {len(s.slots)} sequences at once, context {s.n_ctx}, "
+                 f"{state.model.threads} threads")
+
+        def failed(exc) -> None:
+            server.should_exit = True
+
+        state.on_ready, state.on_failure = ready, failed
+        threading.Thread(target=state.load, name="minillm-load", daemon=True).start()
+        try:
+            server.run(sockets=[sock])
+        finally:
+            state.close()
+        if state.error is not None:
+            raise MinillmError(f"cannot serve {model}: {state.error}")
+        _err("minillm serve: stopped")
+
