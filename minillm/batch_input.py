@@ -18,6 +18,7 @@ SAMPLING_FIELDS = {
     "min_p": (lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "seed": (lambda v: is_integer(v) and 0 <= v < 2 ** 64, "an integer in [0, 2^64)"),
     "repeat_penalty": (lambda v: is_number(v) and v > 0, "a number > 0"),
+    "repeat_last_n": (lambda v: is_integer(v) and v >= -1, "an integer >= -1 (-1: all)"),
     "presence_penalty": (lambda v: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
     "frequency_penalty": (lambda v: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
 }

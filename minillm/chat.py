@@ -1,4 +1,5 @@
-"""The terminal chat: a REPL over a Session that keeps its KV cache across turns."""
+"""The terminal chat: a REPL over the model in this process (a Session that keeps its KV cache
+across turns) or over a running server."""
 from __future__ import annotations
 
 import json
@@ -26,12 +27,45 @@ INT_SETTINGS = {"top_k", "repeat_last_n", "seed", "n_predict"}
 FLOAT_SETTINGS = {"temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"}
 
 
-class Chat:
-    def __init__(self, model, params: SamplingParams, n_predict: int = 512, n_ctx: int | None = None,
-                 system: str | None = None, template_path=None, verbose: bool = False, out=sys.stdout):
+class LocalReplies:
+    """Replies from the model in this process; its Session keeps the KV cache across turns."""
+
+    def __init__(self, model, n_ctx: int | None = None, template_path=None):
         self.model = model
         self.session = Session(model, n_ctx=n_ctx)
         self.template = model.chat_template(template_path)
+
+    def stream(self, conversation: list[dict], n_predict: int, params: SamplingParams):
+        prompt = self.template.render(conversation, add_generation_prompt=True)
+        return self.session.generate(self.model.tokenize(prompt, special=True), n_predict, params)
+
+    def reset(self) -> None:
+        self.replies.reset()
+
+    def describe(self) -> str:
+        return f"tokens in context: {len(self.session.tokens)} of {self.session.n_ctx}"
+
+
+class RemoteReplies:
+    """Replies from a running `minillm serve` (which keeps the conversation's cells itself)."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def stream(self, conversation: list[dict], n_predict: int, params: SamplingParams):
+        return self.client.chunks(conversation, n_predict, params)
+
+    def reset(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"server: {self.client.base}"
+
+
+class Chat:
+    def __init__(self, replies, params: SamplingParams, n_predict: int = 512, system: str | None = None,
+                 verbose: bool = False, out=sys.stdout):
+        self.replies = replies  # LocalReplies or RemoteReplies
         self.params, self.n_predict, self.verbose = params, n_predict, verbose
         self.system = system
         self.messages: list[dict] = []
@@ -47,9 +81,7 @@ class Chat:
         self.messages.append({"role": "user", "content": text})
         pieces, last = [], None
         try:
-            prompt = self.template.render(self.conversation(), add_generation_prompt=True)
-            ids = self.model.tokenize(prompt, special=True)
-            for last in self.session.generate(ids, self.n_predict, self.params):
+            for last in self.replies.stream(self.conversation(), self.n_predict, self.params):
                 if last.text:
                     pieces.append(last.text)
                     self.out.write(last.text)
@@ -90,13 +122,13 @@ class Chat:
 
     def cmd_clear(self, arg):
         self.messages = []
-        self.session.reset()
+        self.replies.reset()
         self.say("conversation cleared")
 
     def cmd_system(self, arg):
         self.system = arg or None
         self.messages = []
-        self.session.reset()
+        self.replies.reset()
         self.say("system message set" if arg else "system message removed")
 
     def cmd_set(self, arg):
@@ -122,8 +154,7 @@ class Chat:
     def cmd_show(self, arg):
         settings = dict(self.params.as_dict(), n_predict=self.n_predict, verbose=self.verbose)
         self.say("\n".join(f"{k}: {v}" for k, v in settings.items()))
-        self.say(f"system: {self.system!r}\nmessages: {len(self.messages)}; "
-                 f"tokens in context: {len(self.session.tokens)} of {self.session.n_ctx}")
+        self.say(f"system: {self.system!r}\nmessages: {len(self.messages)}; {self.replies.describe()}")
 
     def cmd_save(self, arg):
         if not arg:
@@ -148,7 +179,7 @@ class Chat:
             self.say(f"cannot load {arg}: {exc}")
             return
         self.system, self.messages = data.get("system"), messages
-        self.session.reset()
+        self.replies.reset()
         self.say(f"loaded {len(messages)} messages from {arg}")
 
 

@@ -8,15 +8,15 @@ from typing import Optional
 import typer
 
 from .cli_generate import (
-    CHAT_TEMPLATE, CTX, DEVICE, FREQUENCY_PENALTY, MIN_P, MODEL, PRESENCE_PENALTY, REPEAT_LAST_N, REPEAT_PENALTY, SEED,
-    SYSTEM, TEMP, THREADS, TOP_K, TOP_P, sampling_options,
+    API_KEY, CHAT_TEMPLATE, CTX, DEVICE, FREQUENCY_PENALTY, MIN_P, MODEL_OR_SERVER, PRESENCE_PENALTY, REPEAT_LAST_N,
+    REPEAT_PENALTY, SEED, SERVER, SYSTEM, TEMP, THREADS, TOP_K, TOP_P, need_model, sampling_options,
 )
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def chat(
-        model: Path = MODEL,
+        model: Optional[Path] = MODEL_OR_SERVER,
         n_predict: int = typer.Option(512, "-n", "--n-predict", min=1, max=1 << 24, help="Tokens per reply at most."),
         temp: float = TEMP,
         top_k: int = TOP_K,
@@ -33,17 +33,25 @@ def register(app: typer.Typer) -> None:
         system: Optional[str] = SYSTEM,
         chat_template: Optional[Path] = CHAT_TEMPLATE,
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Show tokens/s after each reply."),
+        server: Optional[str] = SERVER,
+        api_key: Optional[str] = API_KEY,
     ):
-        """Chat with a model in the terminal."""
-        from .chat import Chat, repl
+        """Chat with a model in the terminal (loaded here, or running in `minillm serve`)."""
+        from .chat import Chat, LocalReplies, RemoteReplies, repl
         from .cli import load_model
         from .sampling import SamplingParams
 
+        need_model(model, server, {"--ctx": ctx is not None, "--threads": threads is not None,
+                                   "--device": device != "auto", "--chat-template": chat_template is not None})
         params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
                                                    presence_penalty, frequency_penalty, seed))
-        m = load_model(model, threads, device)
-        session = Chat(m, params, n_predict=n_predict, n_ctx=ctx, system=system,
-                       template_path=chat_template, verbose=verbose)
+        if server is not None:
+            from .server.client import ServerClient
+
+            replies = RemoteReplies(ServerClient(server, api_key))
+        else:
+            replies = LocalReplies(load_model(model, threads, device), ctx, chat_template)
+        session = Chat(replies, params, n_predict=n_predict, system=system, verbose=verbose)
         if not sys.stdin.isatty():
             text = sys.stdin.read().strip()
             if text:

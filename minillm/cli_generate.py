@@ -16,6 +16,9 @@ def _err(message: str) -> None:
 
 # options shared by `generate` and `chat` (typer Option objects can serve several commands)
 MODEL = typer.Argument(..., help="Path to a .gguf model file.", show_default=False)
+MODEL_OR_SERVER = typer.Argument(None, help="Path to a .gguf model file (none with --server).", show_default=False)
+SERVER = typer.Option(None, "--server", help="URL of a running `minillm serve`: generate there, loading no model.")
+API_KEY = typer.Option(None, "--api-key", envvar="MINILLM_API_KEY", help="With --server: its API key.")
 TEMP = typer.Option(0.8, "--temp", min=0.0, max=100.0, help="Temperature; 0 is greedy.")
 TOP_K = typer.Option(40, "--top-k", min=0, help="Top-k (0: off).")
 TOP_P = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="Top-p (1: off).")
@@ -68,10 +71,58 @@ def _print_beam_search(model, ids, n_predict, beams, ctx, ignore_eos, as_json) -
         print(text)
 
 
+def need_model(model: Optional[Path], server: Optional[str], local_only: dict) -> None:
+    """A model file or --server, not both; with --server, none of the options in local_only
+    (option name -> whether it was given)."""
+    if server is None:
+        if model is None:
+            raise typer.BadParameter("give a model file, or --server URL")
+        return
+    if model is not None:
+        raise typer.BadParameter("give a model file or --server, not both")
+    given = [name for name, used in local_only.items() if used]
+    if given:
+        raise typer.BadParameter(f"{given[0]} does not apply with --server (the server has its own settings)")
+
+
+def _generate_on_server(server, api_key, prompt, n_predict, params, stop, ignore_eos, as_json, verbose) -> None:
+    """generate's output contract, with the work done by a running server."""
+    from .server.client import ServerClient, request_body
+
+    client = ServerClient(server, api_key)
+    if as_json:
+        chat = not isinstance(prompt, str)
+        body = dict(request_body(prompt, n_predict, params, stop, ignore_eos), return_tokens=True)
+        answer = client.complete("/v1/chat/completions" if chat else "/v1/completions", body)
+        choice, usage, timings = answer["choices"][0], answer["usage"], answer.get("timings", {})
+        print(json.dumps({
+            "text": choice["message"]["content"] if chat else choice["text"],
+            "finish_reason": choice["finish_reason"], "seed": params.seed,
+            "prompt_tokens": usage["prompt_tokens"], "generated_tokens": usage["completion_tokens"],
+            "tokens": choice.get("tokens", []),
+            "prompt_tokens_per_s": round(timings.get("prompt_per_second", 0.0), 2),
+            "generate_tokens_per_s": round(timings.get("predicted_per_second", 0.0), 2), "load_s": 0.0,
+        }, ensure_ascii=False))
+        return
+    last, wrote = None, False
+    for last in client.chunks(prompt, n_predict, params, stop, ignore_eos):
+        if last.text:
+            sys.stdout.write(last.text)
+            sys.stdout.flush()
+            wrote = True
+    if wrote:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if verbose:
+        t = last.timings
+        _err(f"prompt: {t.n_prompt} tokens; generated {t.n_generated} tokens; finish: {last.finish_reason}; "
+             f"seed {params.seed}; on {server}")
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def generate(
-        model: Path = MODEL,
+        model: Optional[Path] = MODEL_OR_SERVER,
         prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
         file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file."),
         n_predict: int = typer.Option(256, "-n", "--n-predict", min=0, max=1 << 24, help="Tokens to generate at most."),
@@ -102,6 +153,8 @@ def register(app: typer.Typer) -> None:
         parallel: int = typer.Option(4, "--parallel", min=1, max=256, help="With --batch-file: sequences at once."),
         batch: int = typer.Option(512, "--batch", min=1, max=1 << 16,
                                   help="With --batch-file: prompt tokens evaluated a step, at most."),
+        server: Optional[str] = SERVER,
+        api_key: Optional[str] = API_KEY,
     ):
         """Generate text from a prompt (-p, -f or stdin), or for every line of --batch-file."""
         import random
@@ -109,6 +162,10 @@ def register(app: typer.Typer) -> None:
         from .cli import load_model
         from .generate import Session
         from .sampling import SamplingParams
+
+        need_model(model, server, {"--ctx": ctx is not None, "--threads": threads is not None,
+                                   "--device": device != "auto", "--chat-template": chat_template is not None,
+                                   "--truncate": truncate, "--beams": beams > 1, "--batch-file": batch_file is not None})
 
         if batch_file is not None:
             if prompt is not None or file is not None or beams > 1 or truncate:
@@ -131,13 +188,16 @@ def register(app: typer.Typer) -> None:
         seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
         params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
                                                    presence_penalty, frequency_penalty, seed))
-        m = load_model(model, threads, device)
+        messages = None
         if chat or system is not None or chat_template is not None:
             messages = ([{"role": "system", "content": system}] if system is not None else [])
             messages.append({"role": "user", "content": text})
-            ids = m.prompt_ids(messages, template_path=chat_template)
-        else:
-            ids = m.prompt_ids(text)
+        if server is not None:
+            _generate_on_server(server, api_key, messages or text, n_predict, params, stop, ignore_eos, as_json,
+                                verbose)
+            return
+        m = load_model(model, threads, device)
+        ids = m.prompt_ids(messages or text, template_path=chat_template)
         if beams > 1:
             _print_beam_search(m, ids, n_predict, beams, ctx, ignore_eos, as_json)
             return

@@ -323,8 +323,8 @@ class Relay:
         except MinillmError as exc:
             raise ApiError(500, str(exc)) from None
         tokens = [c.token for c in chunks if c.token is not None]
-        return JSONResponse(answer.whole("".join(c.text for c in chunks), chunks, chunks[-1].finish_reason,
-                                         len(self.handle.prompt_ids), tokens))
+        return JSONResponse(answer.whole("".join(c.text for c in chunks), chunks, len(self.handle.prompt_ids),
+                                         tokens))
 
 
 async def _until_disconnect(receive) -> None:

@@ -224,8 +224,9 @@ class Answer:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def whole(self, text: str, chunks, finish_reason: str, n_prompt: int, tokens: list[int]) -> dict:
-        """The non-streamed answer."""
+    def whole(self, text: str, chunks, n_prompt: int, tokens: list[int]) -> dict:
+        """The non-streamed answer (chunks: all of the request's, the last with its finish reason)."""
+        finish_reason, t = chunks[-1].finish_reason, chunks[-1].timings
         logprobs = self.logprobs(chunks) if self.completion.logprobs else None
         finish = FINISH_REASONS.get(finish_reason, finish_reason)
         if self.chat:
@@ -235,8 +236,11 @@ class Answer:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if self.completion.return_tokens:
             choice["tokens"] = tokens
+        timings = {"prompt_n": t.n_prompt, "prompt_ms": t.prompt_s * 1e3, "prompt_per_second": t.prompt_tokens_per_s,
+                   "predicted_n": t.n_generated, "predicted_ms": t.generate_s * 1e3,
+                   "predicted_per_second": t.generate_tokens_per_s}  # as llama-server reports them
         return self._object("chat.completion" if self.chat else "text_completion", [choice],
-                            usage=usage(n_prompt, len(tokens)))
+                            usage=usage(n_prompt, len(tokens)), timings=timings)
 
     def chunk(self, text: str | None, chunks=(), finish_reason: str | None = None, role: bool = False) -> dict:
         """One streamed chunk: new text (and its tokens' logprobs), or the finish reason."""
