@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 MODELS := models/SmolLM2-135M-Instruct.Q4_1.gguf models/gemma-3-270m-q4_k_m.gguf
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: install models test test-fast bench run gpu-check clean
+.PHONY: install models test test-fast bench bench-serve run gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -27,6 +27,10 @@ test-fast: install
 # LLAMA_BENCH=path/to/llama-bench (tests/llama_ref/build.sh builds it): llama.cpp measured beside us
 bench: install models
 	$(PY) -m minillm.benchmarks $(MODELS) --out bench-results.json $(if $(LLAMA_BENCH),--llama-bench $(LLAMA_BENCH))
+
+# LLAMA_SERVER=path/to/llama-server: the same HTTP load on llama-server, one after the other
+bench-serve: install models
+	$(PY) -m minillm.server.bench $(DEFAULT_MODEL) --out bench-serve.json $(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER))
 
 # on a machine with an NVIDIA GPU: CUDA tests for real, golden parity and a benchmark on CUDA
 gpu-check: install models
