@@ -89,7 +89,9 @@ def register(app: typer.Typer) -> None:
             server.run(sockets=[sock])
         finally:
             state.close()
+        if isinstance(state.error, MinillmError):  # names the file and what is wrong with it
+            raise state.error
         if state.error is not None:
-            raise MinillmError(f"cannot serve {model}: {state.error}")
+            raise MinillmError(f"cannot load {model}: {type(state.error).__name__}: {state.error}")
         _err("minillm serve: stopped")
 

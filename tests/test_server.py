@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -298,6 +299,21 @@ def test_full_queue_and_a_client_that_leaves(narrow):
     m = narrow.wait_idle()
     assert m["minillm_requests_cancelled_total"] >= 1 and m["minillm_requests_running"] == 0
     assert m["minillm_generated_tokens_total"] < 1000  # A stopped when its client left
+
+
+def test_a_bad_model_or_a_busy_port_is_one_clear_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(20))
+    serve = [sys.executable, "-m", "minillm", "serve", "--port", "0"]
+    out = subprocess.run(serve + [str(bad)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "not a GGUF file" in out.stderr and "Traceback" not in out.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run(serve[:-1] + [str(port), str(model_path("smollm2"))], capture_output=True, text=True,
+                             timeout=120)
+    assert out.returncode == 1 and f"error: cannot listen on 127.0.0.1:{port}" in out.stderr
 
 
 def test_sigterm_ends_streams_and_exits_cleanly():

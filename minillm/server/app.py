@@ -351,8 +351,12 @@ class EventStream:
             for task in (pump, watch):
                 task.cancel()
             self.relay.close()
-        if pump.done() and not pump.cancelled() and pump.exception() is None:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if not pump.done() or pump.cancelled():
+            return  # the client left
+        if pump.exception() is not None:  # a bug: the stream just ends, the log says why
+            traceback.print_exception(pump.exception(), file=sys.stderr)
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _pump(self, send) -> None:
         answer, relay = self.answer, self.relay
