@@ -26,10 +26,7 @@ import numba as nb
 import numpy as np
 
 from .fma import fma
-from .lanes_gemv import (
-    CODE_BYTES, gemq_4, gemq_4_min, gemq_5, gemq_5_min, gemq_8, gemq_8_min, gemv_4, gemv_4_min, gemv_5, gemv_5_min,
-    gemv_8, gemv_8_min, widen_5, widen_5_min,
-)
+from .lanes_gemv import CODE_BYTES, gemv_4, gemv_4_min, gemv_5, gemv_5_min, gemv_8, gemv_8_min, widen_5, widen_5_min
 from .simd import load_u32
 from .unpack import F16_TO_F32
 from .vnni import HAS_INT8_DOT, R
@@ -170,10 +167,9 @@ def _lanes_tile(data, bits, has_min, offset, xq, xd, xs, xn4, out, nt):
         data, w_off, bits = _widen_5(data, w_off, n_blk, has_min), 0, 8
     acc = np.empty(9 * R, np.float32)  # (lane, row) accumulators, then summs (row)
     for t in range(T):
-        if HAS_INT8_DOT and T == 1:
-            _tile_vnni(data, w_off, xq, 0, xd, xs, xn4, 0, n_blk, offset, bits, has_min, acc)
-        elif HAS_INT8_DOT:
-            _tile_batch(data, w_off, xq, t * n_blk * 32, xd, xs, xn4, t * n_blk, n_blk, offset, bits, has_min, acc)
+        if HAS_INT8_DOT:
+            _tile_vnni(data, w_off, xq, t * n_blk * 32, xd, xs, xn4, t * n_blk, n_blk, offset, bits, has_min,
+                       T > 1, acc)
         else:
             _tile_portable(data, w_off, xq, t, xd, xs, xn4, n_blk, offset, bits, has_min, acc)
         for r in range(min(R, out.shape[1] - nt * R)):
@@ -197,36 +193,19 @@ def _widen_5(data, w_off, n_blk, has_min):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _tile_vnni(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, bits, has_min, acc):
+def _tile_vnni(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, bits, has_min, batch, acc):
     if bits == 4 and has_min:
-        gemv_4_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
+        gemv_4_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
     elif bits == 4:
-        gemv_4(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
+        gemv_4(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
     elif bits == 5 and has_min:
-        gemv_5_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
+        gemv_5_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
     elif bits == 5:
-        gemv_5(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
+        gemv_5(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
     elif has_min:
-        gemv_8_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
+        gemv_8_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
     else:
-        gemv_8(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
-
-
-@nb.njit(inline="always", cache=True, nogil=True)
-def _tile_batch(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, bits, has_min, acc):
-    """_tile_vnni for a token of a batch (the same floats, the tile in cache: see lanes_gemv)."""
-    if bits == 4 and has_min:
-        gemq_4_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
-    elif bits == 4:
-        gemq_4(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
-    elif bits == 5 and has_min:
-        gemq_5_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
-    elif bits == 5:
-        gemq_5(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
-    elif has_min:
-        gemq_8_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
-    else:
-        gemq_8(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
+        gemv_8(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
