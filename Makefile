@@ -18,8 +18,11 @@ $(VENV)/.installed: pyproject.toml
 models: install
 	$(PY) models/fetch.py
 
+# two workers (a test file each) overlap the kernels' first compilation; OpenMP threads sleep
+# rather than spin while they wait, as two workers share the cores
+TEST_WORKERS ?= 2
 test: install models
-	$(PY) -m pytest -q --durations=25
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

@@ -62,6 +62,16 @@ def tiny_llama(tmp_path):
 REPORT: list[str] = []
 
 
+def pytest_sessionfinish(session):
+    """Under pytest-xdist (make test), a worker hands its REPORT lines to the controller."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["report"] = REPORT
+
+
+def pytest_testnodedown(node, error):
+    REPORT.extend(getattr(node, "workeroutput", {}).get("report", []))
+
+
 def pytest_terminal_summary(terminalreporter):
     if REPORT:
         terminalreporter.section("measured")
