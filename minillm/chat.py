@@ -40,7 +40,7 @@ class LocalReplies:
         return self.session.generate(self.model.tokenize(prompt, special=True), n_predict, params)
 
     def reset(self) -> None:
-        self.replies.reset()
+        self.session.reset()
 
     def describe(self) -> str:
         return f"tokens in context: {len(self.session.tokens)} of {self.session.n_ctx}"
