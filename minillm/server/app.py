@@ -41,7 +41,6 @@ class Settings:
     api_key: str | None = None
     scheduling: str = "priority"
     threads: int | None = None
-    defaults: SamplingParams | None = None   # sampling when a request does not say
 
 
 class ServerState:
@@ -89,7 +88,8 @@ class ServerState:
         if self.scheduler is not None:
             self.scheduler.stop()
 
-    def ready(self):
+    def require_ready(self):
+        """The scheduler, or a 503 while loading or stopping."""
         if self.status == "loading":
             raise ApiError(503, "the model is loading", headers={"Retry-After": str(RETRY_AFTER_S)})
         if self.status != "ok":
@@ -132,7 +132,7 @@ def build_app(state: ServerState) -> Starlette:
                                  media_type="text/plain; version=0.0.4")
 
     async def tokenize(request):
-        state.ready()
+        state.require_ready()
         body = parse_json(await read_body(request))
         content = body.get("content")
         if not isinstance(content, str):
@@ -145,7 +145,7 @@ def build_app(state: ServerState) -> Starlette:
         return JSONResponse({"tokens": ids})
 
     async def detokenize(request):
-        state.ready()
+        state.require_ready()
         body = parse_json(await read_body(request))
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -231,10 +231,10 @@ async def read_body(request: HttpRequest) -> bytes:
 
 # -- completions -----------------------------------------------------------------------------
 async def complete(state: ServerState, request: HttpRequest, chat: bool):
-    scheduler = state.ready()
+    scheduler = state.require_ready()
     settings = state.settings
     body = parse_json(await read_body(request))
-    completion = parse_completion(body, chat, settings.defaults or SamplingParams(), scheduler.n_ctx)
+    completion = parse_completion(body, chat, SamplingParams(), scheduler.n_ctx)
     if scheduler.stats()["queued"] >= settings.max_queue:
         raise ApiError(503, f"the queue is full ({settings.max_queue} requests waiting); retry shortly",
                        headers={"Retry-After": str(RETRY_AFTER_S)})
