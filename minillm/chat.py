@@ -10,6 +10,7 @@ from pathlib import Path
 from .errors import MinillmError
 from .generate import Session
 from .sampling import SamplingParams
+from .speculative import guess_summary
 
 HELP = """Commands:
   /help               this text
@@ -34,10 +35,12 @@ class LocalReplies:
         self.model = model
         self.session = Session(model, n_ctx=n_ctx)
         self.template = model.chat_template(template_path)
+        self.speculation = None  # a speculative.Speculation, to guess tokens (output unchanged)
 
     def stream(self, conversation: list[dict], n_predict: int, params: SamplingParams):
         prompt = self.template.render(conversation, add_generation_prompt=True)
-        return self.session.generate(self.model.tokenize(prompt, special=True), n_predict, params)
+        return self.session.generate(self.model.tokenize(prompt, special=True), n_predict, params,
+                                     speculation=self.speculation)
 
     def reset(self) -> None:
         self.session.reset()
@@ -95,7 +98,7 @@ class Chat:
         if self.verbose and last is not None:
             t = last.timings
             print(f"[{t.n_prompt} prompt tokens at {t.prompt_tokens_per_s:.1f} tok/s, {t.n_generated} "
-                  f"generated at {t.generate_tokens_per_s:.1f} tok/s]", file=sys.stderr, flush=True)
+                  f"generated at {t.generate_tokens_per_s:.1f} tok/s{guess_summary(t)}]", file=sys.stderr, flush=True)
         return answer
 
     # -- commands ------------------------------------------------------------------------

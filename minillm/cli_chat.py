@@ -8,8 +8,9 @@ from typing import Optional
 import typer
 
 from .cli_generate import (
-    API_KEY, CHAT_TEMPLATE, CTX, DEVICE, FREQUENCY_PENALTY, MIN_P, MODEL_OR_SERVER, PRESENCE_PENALTY, REPEAT_LAST_N,
-    REPEAT_PENALTY, SEED, SERVER, SYSTEM, TEMP, THREADS, TOP_K, TOP_P, need_model, sampling_options,
+    API_KEY, CHAT_TEMPLATE, CTX, DEVICE, DRAFT, DRAFT_MAX, DRAFT_MIN, DRAFT_P_MIN, FREQUENCY_PENALTY, LOOKUP,
+    LOOKUP_NGRAM, MIN_P, MODEL_OR_SERVER, PRESENCE_PENALTY, REPEAT_LAST_N, REPEAT_PENALTY, SEED, SERVER, SYSTEM, TEMP,
+    THREADS, TOP_K, TOP_P, need_model, sampling_options, speculation_for,
 )
 
 
@@ -35,6 +36,12 @@ def register(app: typer.Typer) -> None:
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Show tokens/s after each reply."),
         server: Optional[str] = SERVER,
         api_key: Optional[str] = API_KEY,
+        draft: Optional[Path] = DRAFT,
+        draft_max: int = DRAFT_MAX,
+        draft_min: int = DRAFT_MIN,
+        draft_p_min: float = DRAFT_P_MIN,
+        lookup: bool = LOOKUP,
+        lookup_ngram: int = LOOKUP_NGRAM,
     ):
         """Chat with a model in the terminal (loaded here, or running in `minillm serve`)."""
         from .chat import Chat, LocalReplies, RemoteReplies, repl
@@ -42,7 +49,8 @@ def register(app: typer.Typer) -> None:
         from .sampling import SamplingParams
 
         need_model(model, server, {"--ctx": ctx is not None, "--threads": threads is not None,
-                                   "--device": device != "auto", "--chat-template": chat_template is not None})
+                                   "--device": device != "auto", "--chat-template": chat_template is not None,
+                                   "--draft": draft is not None, "--lookup": lookup})
         params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
                                                    presence_penalty, frequency_penalty, seed))
         if server is not None:
@@ -51,6 +59,8 @@ def register(app: typer.Typer) -> None:
             replies = RemoteReplies(ServerClient(server, api_key))
         else:
             replies = LocalReplies(load_model(model, threads, device), ctx, chat_template)
+            replies.speculation = speculation_for(replies.model, replies.session.n_ctx, draft, lookup, draft_max,
+                                                  draft_min, draft_p_min, lookup_ngram, threads)
         session = Chat(replies, params, n_predict=n_predict, system=system, verbose=verbose)
         if not sys.stdin.isatty():
             text = sys.stdin.read().strip()

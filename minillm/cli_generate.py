@@ -33,6 +33,15 @@ THREADS = typer.Option(None, "-t", "--threads", min=1, max=1024, help="Threads (
 SYSTEM = typer.Option(None, "--system", help="System message.")
 DEVICE = typer.Option("auto", "--device", help="cpu, cuda, or auto (CUDA when numba-cuda finds a GPU).")
 CHAT_TEMPLATE = typer.Option(None, "--chat-template", help="Jinja chat template file to use instead of the model's.")
+DRAFT = typer.Option(None, "-md", "--draft", help="Speculative decoding: a smaller model of the same vocabulary "
+                     "guesses tokens (output unchanged).", show_default=False)
+DRAFT_MAX = typer.Option(16, "--draft-max", min=1, max=256, help="Speculative decoding: tokens guessed a step, at most.")
+DRAFT_MIN = typer.Option(0, "--draft-min", min=0, max=256, help="Speculative decoding: fewer guesses than this are dropped.")
+DRAFT_P_MIN = typer.Option(0.75, "--draft-p-min", min=0.0, max=1.0,
+                           help="Speculative decoding: the draft stops below this probability of its best token.")
+LOOKUP = typer.Option(False, "--lookup", help="Speculative decoding by prompt lookup: guesses copied from the "
+                      "prompt and the text so far (output unchanged).")
+LOOKUP_NGRAM = typer.Option(3, "--lookup-ngram", min=1, max=16, help="With --lookup: the longest run of last tokens matched.")
 
 
 def sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty,
@@ -69,6 +78,17 @@ def _print_beam_search(model, ids, n_predict, beams, ctx, ignore_eos, as_json) -
                           "prompt_tokens": len(ids), "generated_tokens": len(tokens)}, ensure_ascii=False))
     elif text:
         print(text)
+
+
+def speculation_for(model, n_ctx: int, draft: Optional[Path], lookup: bool, draft_max: int, draft_min: int,
+                    draft_p_min: float, lookup_ngram: int, threads: Optional[int]):
+    """The Speculation the flags ask for (None for plain decoding); loads the draft model."""
+    from .cli import load_model
+    from .speculative import SpeculationParams, make_speculation
+
+    params = SpeculationParams(draft_max, draft_min, draft_p_min, lookup_ngram)
+    draft_model = load_model(draft, threads, "cpu") if draft is not None else None
+    return make_speculation(model, n_ctx, draft_model, lookup, params)
 
 
 def need_model(model: Optional[Path], server: Optional[str], local_only: dict) -> None:
@@ -155,6 +175,12 @@ def register(app: typer.Typer) -> None:
                                   help="With --batch-file: prompt tokens evaluated a step, at most."),
         server: Optional[str] = SERVER,
         api_key: Optional[str] = API_KEY,
+        draft: Optional[Path] = DRAFT,
+        draft_max: int = DRAFT_MAX,
+        draft_min: int = DRAFT_MIN,
+        draft_p_min: float = DRAFT_P_MIN,
+        lookup: bool = LOOKUP,
+        lookup_ngram: int = LOOKUP_NGRAM,
     ):
         """Generate text from a prompt (-p, -f or stdin), or for every line of --batch-file."""
         import random
@@ -162,10 +188,14 @@ def register(app: typer.Typer) -> None:
         from .cli import load_model
         from .generate import Session
         from .sampling import SamplingParams
+        from .speculative import guess_summary
 
         need_model(model, server, {"--ctx": ctx is not None, "--threads": threads is not None,
                                    "--device": device != "auto", "--chat-template": chat_template is not None,
-                                   "--truncate": truncate, "--beams": beams > 1, "--batch-file": batch_file is not None})
+                                   "--truncate": truncate, "--beams": beams > 1, "--batch-file": batch_file is not None,
+                                   "--draft": draft is not None, "--lookup": lookup})
+        if (draft is not None or lookup) and (beams > 1 or batch_file is not None):
+            raise typer.BadParameter("--draft and --lookup apply to plain generation, not --beams or --batch-file")
 
         if batch_file is not None:
             if prompt is not None or file is not None or beams > 1 or truncate:
@@ -202,9 +232,11 @@ def register(app: typer.Typer) -> None:
             _print_beam_search(m, ids, n_predict, beams, ctx, ignore_eos, as_json)
             return
         session = Session(m, n_ctx=ctx)
+        speculation = speculation_for(m, session.n_ctx, draft, lookup, draft_max, draft_min, draft_p_min,
+                                      lookup_ngram, threads)
         pieces, tokens, last, wrote = [], [], None, False
         for last in session.generate(ids, n_predict, params, stop=stop, truncate=truncate,
-                                         ignore_eos=ignore_eos):
+                                     ignore_eos=ignore_eos, speculation=speculation):
             if last.token is not None:
                 tokens.append(last.token)
             if as_json:
@@ -221,6 +253,7 @@ def register(app: typer.Typer) -> None:
                 "prompt_tokens_per_s": round(t.prompt_tokens_per_s, 2),
                 "generate_tokens_per_s": round(t.generate_tokens_per_s, 2),
                 "load_s": round(m.load_seconds, 3),
+                **({"drafted_tokens": t.n_drafted, "accepted_tokens": t.n_accepted} if speculation else {}),
             }, ensure_ascii=False))
         else:
             if wrote:
@@ -229,4 +262,4 @@ def register(app: typer.Typer) -> None:
         if verbose:
             _err(f"prompt: {len(ids)} tokens ({t.n_prompt} evaluated) at {t.prompt_tokens_per_s:.1f} tok/s; "
                  f"generated {t.n_generated} tokens at {t.generate_tokens_per_s:.1f} tok/s; "
-                 f"finish: {last.finish_reason}; seed {seed}; load {m.load_seconds:.2f} s")
+                 f"finish: {last.finish_reason}; seed {seed}; load {m.load_seconds:.2f} s{guess_summary(t)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -21,6 +22,8 @@ class Timings:
     n_generated: int = 0
     prompt_s: float = 0.0
     generate_s: float = 0.0
+    n_drafted: int = 0         # speculative decoding: tokens guessed, and how many were accepted
+    n_accepted: int = 0
 
     @property
     def prompt_tokens_per_s(self) -> float:
@@ -117,7 +120,7 @@ class Session:
             ids = ids[len(ids) - limit:]
         return ids
 
-    def _prefill(self, ids: list[int]) -> np.ndarray:
+    def prefill(self, ids: list[int]) -> np.ndarray:
         """Evaluate ids after the longest cached prefix; the logits of the last token."""
         reuse = 0
         if not self.cache.wrapped:
@@ -137,24 +140,37 @@ class Session:
         return logits[-1]
 
     def generate(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None = None,
-                 stop: list[str] = (), truncate: bool = False, ignore_eos: bool = False) -> Iterator[Chunk]:
+                 stop: list[str] = (), truncate: bool = False, ignore_eos: bool = False,
+                 speculation=None) -> Iterator[Chunk]:
         """Stream the continuation of prompt_ids (see Chunk); the last chunk has a finish_reason.
-        ignore_eos: keep going through end-of-generation tokens (for benchmarks)."""
+        ignore_eos: keep going through end-of-generation tokens (for benchmarks). speculation:
+        a speculative.Speculation that guesses tokens to verify several a pass."""
         params = params or SamplingParams()
         sampler = Sampler(params)
         prompt_ids = self.check_prompt(list(prompt_ids), truncate)
+        if speculation is not None:
+            speculation.start()
         timings = Timings()
         t0 = time.perf_counter()
-        logits = self._prefill(prompt_ids)
+        logits = self.prefill(prompt_ids)
         timings.n_prompt, timings.prompt_s = self.n_evaluated, time.perf_counter() - t0
         decoder = self.tokenizer.stream_decoder()
         stops = StopMatcher(list(stop))
         eog = set() if ignore_eos else self.tokenizer.eog_ids
         history = list(prompt_ids)
+        rows = deque([(logits, None)])  # evaluated rows not sampled yet: (logits, the token guessed there)
         t1 = time.perf_counter()
         finish = "length"
-        for _ in range(max_tokens):
-            token = sampler(logits, history)
+        for n in range(max_tokens):
+            logits, guess = rows.popleft()
+            if guess is None:
+                token = sampler(logits, history)
+            else:
+                token = sampler.verify(logits, history, guess)
+                speculation.judged(token == guess)
+                if token != guess:  # the rows after a replaced guess followed the wrong token
+                    self._take_back(len(rows))
+                    rows.clear()
             if token in eog:
                 finish = "stop"
                 break
@@ -162,16 +178,48 @@ class Session:
             timings.n_generated += 1
             text, stopped = stops.push(decoder.feed(token))
             if stopped:
-                timings.generate_s = time.perf_counter() - t1
-                yield Chunk(text, token, "stop", timings)
+                self._settle(rows, timings, speculation, t1)
+                yield Chunk(text, token, "stop", timings)  # the text before the stop string
                 return
-            timings.generate_s = time.perf_counter() - t1
+            self._settle((), timings, speculation, t1)
             yield Chunk(text, token, None, timings)
-            logits = self.model.eval([token], self.cache, batch_size=1)[-1]
-            self.tokens.append(token)
+            if not rows and n + 1 < max_tokens:
+                rows.extend(self._advance(history, max_tokens - n - 1, speculation))
+        self._settle(rows, timings, speculation, t1)
         text, _ = stops.push(decoder.flush())
-        timings.generate_s = time.perf_counter() - t1
         yield Chunk(text + stops.flush(), None, finish, timings)
+
+    def _settle(self, rows_left, timings: Timings, speculation, t1: float) -> None:
+        """Bring timings up to date; rows_left (evaluated past the last token sampled) go."""
+        self._take_back(len(rows_left))
+        if speculation is not None:
+            timings.n_drafted, timings.n_accepted = speculation.n_drafted, speculation.n_accepted
+        timings.generate_s = time.perf_counter() - t1
+
+    def _advance(self, history: list[int], n_left: int, speculation) -> list[tuple]:
+        """Evaluate history's last token, and guesses after it when speculating: the rows
+        (logits, the guess each row is to judge; None for the last)."""
+        token = history[-1]
+        guesses = []
+        if speculation is not None:
+            room = min(n_left, self.cache.headroom()) - 1  # the token itself takes a row
+            guesses = speculation.guesses(history, room)
+        ids = [token] + guesses
+        t0 = time.perf_counter()
+        if guesses:
+            logits = self.model.arch.forward_each_alone(np.array(ids, np.int64), self.cache)
+        else:
+            logits = self.model.eval(ids, self.cache, batch_size=1)
+        if speculation is not None:
+            speculation.timed(len(ids), time.perf_counter() - t0)
+        self.tokens.extend(ids)
+        return list(zip(logits, guesses + [None]))
+
+    def _take_back(self, n: int) -> None:
+        """Forget the last n tokens evaluated (rows of guesses that were not taken)."""
+        if n:
+            del self.tokens[-n:]
+            self.cache.rewind(len(self.tokens))
 
 
 def beam_search(model, prompt_ids: list[int], max_tokens: int, n_beams: int, n_ctx: int | None = None,
@@ -181,7 +229,7 @@ def beam_search(model, prompt_ids: list[int], max_tokens: int, n_beams: int, n_c
     session = Session(model, n_ctx=n_ctx)
     prompt_ids = session.check_prompt(list(prompt_ids), truncate=False)
     eog = set() if ignore_eos else session.tokenizer.eog_ids
-    beams = [([], 0.0, session.cache, session._prefill(prompt_ids))]  # (tokens, logp, cache, logits)
+    beams = [([], 0.0, session.cache, session.prefill(prompt_ids))]  # (tokens, logp, cache, logits)
     finished: list[tuple[list[int], float]] = []
     for _ in range(max_tokens):
         chosen = _best_extensions(beams, n_beams, eog, finished)

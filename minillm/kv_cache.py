@@ -17,11 +17,20 @@ import numpy as np
 
 
 class CacheGroup:
-    def __init__(self, n_slots: int, n_keep: int):
+    def __init__(self, n_slots: int, n_keep: int, window: int = 0):
         if n_keep >= n_slots:
             raise ValueError(f"n_keep {n_keep} must be smaller than the cache size {n_slots}")
         self.n_slots, self.n_keep = n_slots, n_keep
+        self.window = window  # the layers' sliding window (0 = they attend to everything kept)
         self.kv_pos = np.full(n_slots, -1, np.int64)  # (S,) logical position held by each slot
+
+    def headroom(self, n_past: int) -> int:
+        """How many tokens can be evaluated past n_past and taken back again (rewind) without
+        overwriting a cell that one of them, or a later token, attends to."""
+        spare = self.n_slots - self.n_keep - self.window
+        if self.window and spare > 0:  # a ring larger than the window: its spare slots
+            return spare
+        return max(0, self.n_slots - n_past)  # until the ring wraps
 
     def slots_for(self, positions: np.ndarray) -> np.ndarray:
         ring = self.n_slots - self.n_keep
@@ -33,9 +42,11 @@ class KVCache:
     """Keys and values for every layer; `layer_groups[il]` names the group of layer il."""
 
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, group_sizes: dict[str, int],
-                 layer_groups: list[str], n_keep: int = 0):
+                 layer_groups: list[str], n_keep: int = 0, windows: dict[str, int] | None = None):
         # sinks only matter where attention is unlimited; windowed groups never see them
-        self.groups = {name: CacheGroup(size, min(n_keep, size // 2) if name == "global" else 0)
+        windows = windows or {}
+        self.groups = {name: CacheGroup(size, min(n_keep, size // 2) if name == "global" else 0,
+                                        windows.get(name, 0))
                        for name, size in group_sizes.items()}
         self.layer_groups = layer_groups
         # per layer: (S, Hkv, D) uint16, float16 bit patterns (llama.cpp's F16 cache), S = its group's size
@@ -65,6 +76,12 @@ class KVCache:
     def commit(self, n: int) -> None:
         self.n_past += n
 
+    def paging(self, il: int, n_rows: int):
+        """Layer il's own slots as attention_rows reads a pool (no block table: shift -1), for
+        rows each computed as a lone token (Transformer.forward_each_alone)."""
+        group = self.groups[self.layer_groups[il]]
+        return np.zeros(n_rows, np.int64), np.zeros((1, 1), np.int64), -1, group.n_slots
+
     def layer(self, il: int):
         """(k (S, Hkv, D), v (S, Hkv, D), its CacheGroup, slots of this batch) for layer il."""
         name = self.layer_groups[il]
@@ -74,6 +91,15 @@ class KVCache:
         """Forget every token at position >= n (to re-evaluate from there)."""
         if self.wrapped and n < self.n_past:
             raise ValueError("cannot rewind a cache whose ring has wrapped")
+        self.rewind(n)
+
+    def headroom(self) -> int:
+        """Tokens that can be evaluated and then taken back with rewind (speculative decoding)."""
+        return min(g.headroom(self.n_past) for g in self.groups.values())
+
+    def rewind(self, n: int) -> None:
+        """Forget the tokens at positions >= n: any n before the ring wraps, or the last few
+        tokens evaluated within headroom()."""
         for group in self.groups.values():
             group.kv_pos[group.kv_pos >= n] = -1
         self.n_past = min(self.n_past, n)

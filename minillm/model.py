@@ -100,7 +100,7 @@ class Model:
             return self.backend.new_cache(n_ctx, n_keep, batch_size)
         hp = self.hp
         sizes, layout = self.arch.cache_layout(n_ctx, min(batch_size, n_ctx))
-        return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, sizes, layout, n_keep)
+        return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, sizes, layout, n_keep, self.arch.cache_windows())
 
     def eval(self, ids, cache: KVCache, logits_from: int = 0, batch_size: int = DEFAULT_BATCH) -> np.ndarray:
         """Append ids to cache in batches; logits (len(ids) - logits_from, n_vocab)."""
@@ -156,15 +156,22 @@ class Model:
         return self.tokenize(prompt, special=True)
 
     def generate(self, prompt: str | list[dict], max_tokens: int = 128, stream: bool = False,
-                 stop: list[str] = (), n_ctx: int | None = None, truncate: bool = False, **sampling):
+                 stop: list[str] = (), n_ctx: int | None = None, truncate: bool = False,
+                 draft: "Model | None" = None, lookup: bool = False, speculation: dict | None = None,
+                 **sampling):
         """Generate from a prompt or a conversation. stream=True yields Chunk objects as they
-        come; otherwise returns a Result with the whole text. sampling: SamplingParams fields."""
+        come; otherwise returns a Result with the whole text. sampling: SamplingParams fields.
+        Speculative decoding (same tokens, or same distribution when sampling): draft, a smaller
+        Model of the same vocabulary, or lookup=True (guesses copied from the prompt and text);
+        speculation: SpeculationParams fields (draft_max, draft_min, p_min, lookup_ngram)."""
         from .generate import Session
         from .sampling import SamplingParams
+        from .speculative import SpeculationParams, make_speculation
 
         session = Session(self, n_ctx=n_ctx)
+        guessing = make_speculation(self, session.n_ctx, draft, lookup, SpeculationParams(**(speculation or {})))
         chunks = session.generate(self.prompt_ids(prompt), max_tokens, SamplingParams(**sampling),
-                                  stop=list(stop), truncate=truncate)
+                                  stop=list(stop), truncate=truncate, speculation=guessing)
         return chunks if stream else Result.collect(chunks)
 
     def scheduler(self, parallel: int = 4, n_ctx: int | None = None, batch: int | None = None,

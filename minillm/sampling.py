@@ -34,10 +34,15 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray, history: list[int]) -> int:
+        if self.params.temperature <= 0:
+            return int(np.argmax(self._penalize(logits, history)))
+        ids, probs = self.distribution(logits, history)
+        return int(ids[self.rng.choice(len(ids), p=probs)])
+
+    def distribution(self, logits: np.ndarray, history: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens the chain leaves (ids) and their probabilities, for temperature > 0."""
         p = self.params
         logits = self._penalize(logits, history)
-        if p.temperature <= 0:
-            return int(np.argmax(logits))
         if 0 < p.top_k < logits.shape[0]:
             ids = top_k_indices(logits, p.top_k)
         else:
@@ -52,8 +57,22 @@ class Sampler:
         if p.min_p > 0.0:
             keep = probs >= p.min_p * probs[0]
             ids, values = ids[keep], values[keep]
-        probs = _softmax(values / p.temperature)
-        return int(ids[self.rng.choice(len(ids), p=probs)])
+        return ids, _softmax(values / p.temperature)
+
+    def verify(self, logits: np.ndarray, history: list[int], draft: int) -> int:
+        """The next token given a guessed one (speculative decoding), distributed exactly as
+        __call__'s: greedy, the argmax; else the guess with its probability p, and otherwise a
+        draw from the other tokens (the residual of a guess made with certainty)."""
+        if self.params.temperature <= 0:
+            return self(logits, history)
+        ids, probs = self.distribution(logits, history)
+        at = np.flatnonzero(ids == draft)
+        p_draft = float(probs[at[0]]) if at.size else 0.0
+        if p_draft > 0 and self.rng.random() < p_draft:
+            return draft
+        residual = probs.copy()
+        residual[at] = 0.0
+        return int(ids[self.rng.choice(len(ids), p=residual / residual.sum())])
 
     def _penalize(self, logits: np.ndarray, history: list[int]) -> np.ndarray:
         p = self.params

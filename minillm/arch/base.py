@@ -173,6 +173,10 @@ class Transformer:
         """Cache group sizes and each layer's group: by default one context-sized group."""
         return {"global": n_ctx}, ["global"] * self.hp.n_layer
 
+    def cache_windows(self) -> dict[str, int]:
+        """The sliding window of each cache group's layers (absent: none)."""
+        return {}
+
     def forward(self, ids: np.ndarray, cache, logits_from: int) -> np.ndarray:
         """Evaluate ids at the cache's next positions; logits (T - logits_from, V)."""
         positions = cache.reserve(len(ids))
@@ -197,6 +201,20 @@ class Transformer:
                                for layer in self.layers]
         x = self.run_layers(ids, positions, kv_of, out_from, self.row_layers)
         return self.output_logits(x, row_by_row(self.output.packed))
+
+    def forward_each_alone(self, ids: np.ndarray, cache) -> np.ndarray:
+        """Logits (T, V) of ids at the cache's next positions, each row bit for bit what
+        forward() gives that token evaluated alone after the rows before it (speculative
+        decoding's verification). Only within cache.headroom(), where no row's cells are lost."""
+        positions = cache.reserve(len(ids))
+
+        def kv_of(il):
+            kc, vc, group, slots = cache.layer(il)
+            return kc, vc, group.kv_pos, slots, group.n_keep, cache.paging(il, len(ids))
+
+        logits = self.forward_rows(ids, positions, kv_of, 0)
+        cache.commit(len(ids))
+        return logits
 
     row_layers = None  # self.layers with every product computed row by row (forward_rows)
 

@@ -69,6 +69,9 @@ class Gemma3(Transformer):
             sizes["local"] = min(n_ctx, self.window + n_batch)
         return sizes, layout
 
+    def cache_windows(self):
+        return {"local": self.window}
+
     def layer_tensors(self, il):
         hp = self.hp
         shapes = super().layer_tensors(il)

@@ -1,0 +1,202 @@
+"""Speculative decoding: guess the next few tokens cheaply, then evaluate the last sampled
+token and the guesses in one pass, each row computed as that token alone would be
+(Transformer.forward_each_alone), so every row's logits are those plain decoding would see.
+Each guess is then accepted or replaced by the sampler (Sampler.verify), and the rows after
+a replaced guess are dropped from the cache. Greedy output is token for token plain decoding's;
+sampled output has its distribution.
+
+Two kinds of guesses:
+    PromptLookup  the last n tokens matched among the earlier ones (prompt and text so far):
+                  what followed their latest occurrence
+    DraftModel    a smaller model with the same vocabulary, decoding greedily
+
+Speculation decides how many tokens to guess each step from the acceptance it has seen and the
+measured cost of a pass (Speculation.n_to_guess), so that text which the guesses do not fit
+costs little more than plain decoding.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import MinillmError
+
+PROBE_EVERY = 16  # when guessing does not pay, still guess one token this often, to notice a change
+
+
+@dataclass
+class SpeculationParams:
+    draft_max: int = 16     # tokens guessed a step, at most
+    draft_min: int = 0      # fewer guesses than this are not worth a pass: evaluate plainly
+    p_min: float = 0.75     # a draft model stops guessing below this probability of its best token
+    lookup_ngram: int = 3   # prompt lookup: the longest run of last tokens matched
+
+
+class PromptLookup:
+    """Guesses from the token history itself: the last `ngram` tokens (then fewer, down to
+    one) are looked up among the earlier ones, and the tokens that followed their latest
+    earlier occurrence are proposed."""
+
+    def __init__(self, ngram: int):
+        self.ngram = ngram
+        self.start()
+
+    def start(self) -> None:
+        """Forget the history indexed (a new generation)."""
+        # per n-gram size: n-gram -> the position right after its latest occurrence that has a successor
+        self.follows: list[dict[tuple, int]] = [{} for _ in range(self.ngram + 1)]
+        self.n_indexed = 0  # n-grams ending before this position are indexed
+
+    def propose(self, history: list[int], n: int) -> list[int]:
+        self._index(history)
+        for size in range(min(self.ngram, len(history) - 1), 0, -1):
+            at = self.follows[size].get(tuple(history[-size:]))
+            if at is not None:
+                return history[at:at + n]
+        return []
+
+    def _index(self, history: list[int]) -> None:
+        for end in range(max(1, self.n_indexed), len(history)):  # n-grams ending at `end` (exclusive)
+            for size in range(1, min(self.ngram, end) + 1):
+                self.follows[size][tuple(history[end - size:end])] = end
+        self.n_indexed = len(history)
+
+
+class DraftModel:
+    """Guesses by greedy decoding with a smaller model of the same vocabulary, in a session of
+    its own that follows the accepted tokens (its cache keeps the shared prefix)."""
+
+    def __init__(self, draft, target, n_ctx: int, p_min: float):
+        from .generate import Session
+
+        check_same_vocabulary(draft, target)
+        self.session = Session(draft, n_ctx=n_ctx)
+        self.p_min = p_min
+
+    def start(self) -> None:
+        """A new generation: the session keeps whatever prefix it shares."""
+
+    def propose(self, history: list[int], n: int) -> list[int]:
+        logits = self.session.prefill(history)
+        guesses = []
+        while len(guesses) < n:
+            token = int(np.argmax(logits))
+            shifted = logits - logits[token]
+            if 1.0 / np.exp(shifted, dtype=np.float64).sum() < self.p_min:
+                break
+            guesses.append(token)
+            if len(guesses) == n or self.session.cache.headroom() < 1:
+                break
+            logits = self.session.model.eval([token], self.session.cache, batch_size=1)[-1]
+            self.session.tokens.append(token)
+        return guesses
+
+
+def check_same_vocabulary(draft, target) -> None:
+    """A draft must number the same tokens the same way, or its guesses mean other text."""
+    a, b = draft.tokenizer.vocab, target.tokenizer.vocab
+    if a.n_vocab != b.n_vocab or a.model != b.model:
+        raise MinillmError(f"the draft model's vocabulary ({a.model}, {a.n_vocab} tokens) is not the model's "
+                           f"({b.model}, {b.n_vocab} tokens): a draft must share the model's vocabulary")
+    for i in range(a.n_vocab):
+        if a.texts[i] != b.texts[i]:
+            raise MinillmError(f"the draft model's token {i} is {a.texts[i]!r}, the model's {b.texts[i]!r}: "
+                               "a draft must share the model's vocabulary")
+
+
+class Speculation:
+    """A session's guessing: the guesser, how many tokens to guess, the counts of a generation."""
+
+    def __init__(self, guesser, params: SpeculationParams):
+        self.guesser, self.params = guesser, params
+        self.acceptance = 0.7        # running estimate: the chance that a guess is accepted
+        self.row_cost = 0.5          # running estimate: an extra row's time / a lone token's
+        self.t_lone = None           # seconds of one plain decode step (measured)
+        self.t_guess = 0.0           # seconds per guessed token spent guessing (a draft model's)
+        self.start()
+
+    def start(self) -> None:
+        """A new generation: its counts start at zero (the estimates carry over)."""
+        self.guesser.start()
+        self.n_drafted = self.n_accepted = 0
+        self.since_guess = 0
+
+    def guesses(self, history: list[int], room: int) -> list[int]:
+        """Tokens to evaluate after history's last one, at most room."""
+        n = min(self.n_to_guess(), room) if self.t_lone else 0  # the first step measures a plain one
+        if n <= 0 or n < self.params.draft_min:
+            self.since_guess += 1
+            return []
+        t0 = time.perf_counter()
+        guesses = self.guesser.propose(history, n)
+        if guesses and isinstance(self.guesser, DraftModel):
+            self.t_guess = 0.8 * self.t_guess + 0.2 * (time.perf_counter() - t0) / len(guesses)
+        if len(guesses) < self.params.draft_min:
+            return []
+        self.since_guess = 0
+        return guesses
+
+    def n_to_guess(self) -> int:
+        """The guess count with the most tokens per second expected: k guesses give
+        (1 - a^(k+1)) / (1 - a) tokens for 1 + k * (row cost + guess cost) lone steps' time."""
+        a = min(self.acceptance, 0.99)
+        guess_cost = self.t_guess / self.t_lone if self.t_lone else 0.0
+        best, best_rate = 0, 1.0
+        for k in range(1, self.params.draft_max + 1):
+            rate = (1 - a ** (k + 1)) / (1 - a) / (1 + k * (self.row_cost + guess_cost))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best == 0 and self.since_guess >= PROBE_EVERY:
+            return 1
+        return best
+
+    def timed(self, n_rows: int, seconds: float) -> None:
+        """Learn the cost of a pass of n_rows rows."""
+        if n_rows == 1:
+            self.t_lone = seconds if self.t_lone is None else 0.9 * self.t_lone + 0.1 * seconds
+        elif self.t_lone:
+            per_row = (seconds - self.t_lone) / (n_rows - 1) / self.t_lone
+            self.row_cost = 0.8 * self.row_cost + 0.2 * min(max(per_row, 0.05), 2.0)
+
+    def judged(self, accepted: bool) -> None:
+        self.n_drafted += 1
+        self.n_accepted += accepted
+        self.acceptance = 0.9 * self.acceptance + 0.1 * accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else math.nan
+
+
+def guess_summary(timings) -> str:
+    """'; guessed N tokens, accepted M (P%)' for the verbose lines, when tokens were guessed."""
+    if not timings.n_drafted:
+        return ""
+    n, k = timings.n_drafted, timings.n_accepted
+    return f"; guessed {n} tokens, accepted {k} ({100 * k / n:.0f}%)"
+
+
+def make_speculation(model, n_ctx: int, draft=None, lookup: bool = False,
+                     params: SpeculationParams | None = None) -> Speculation | None:
+    """A Speculation for one generation on model: guesses from a draft Model, or from prompt
+    lookup; None when neither is asked for."""
+    params = params or SpeculationParams()
+    if draft is None and not lookup:
+        return None
+    if draft is not None and lookup:
+        raise MinillmError("choose a draft model or prompt lookup, not both")
+    if model.backend is not None:
+        raise MinillmError("speculative decoding runs on the CPU backend only (use --device cpu)")
+    if params.draft_max < 1 or not 0 <= params.draft_min <= params.draft_max:
+        raise MinillmError(f"--draft-min {params.draft_min} and --draft-max {params.draft_max}: "
+                           "need 0 <= draft-min <= draft-max and draft-max >= 1")
+    if not 0.0 <= params.p_min <= 1.0:
+        raise MinillmError(f"--draft-p-min {params.p_min}: a probability, between 0 and 1")
+    if lookup:
+        if params.lookup_ngram < 1:
+            raise MinillmError(f"--lookup-ngram {params.lookup_ngram}: at least 1")
+        return Speculation(PromptLookup(params.lookup_ngram), params)
+    return Speculation(DraftModel(draft, model, n_ctx, params.p_min), params)
