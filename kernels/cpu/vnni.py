@@ -35,67 +35,39 @@ _I8X64 = ir.VectorType(ir.IntType(8), 64)
 
 def dpbusd(builder, acc, u8, s8, small=False):
     """acc (16 x i32) + in each lane j the sum of u8[4j + i] * s8[4j + i], i < 4 (u8 unsigned,
-    s8 signed bytes, 64 each): vpdpbusd. Without AVX-512 VNNI, AVX2 gives the same exact sums:
-    with small codes (u8 < 128, as 4- and 5-bit codes are) vpmaddubsw cannot saturate (2 * 127 *
-    128 < 2^15) and vpmaddwd by ones adds its pairs; otherwise vpmaddwd on the bytes widened to
-    16 bits (a product of two bytes fits 16 bits, a pair of them 32), adjacent pairs then added."""
+    s8 signed bytes, 64 each): vpdpbusd. Without AVX-512 VNNI, AVX2 gives the same exact sums
+    (dpbusd8, on each half)."""
     if HAS_VNNI:
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32X16, [_I32X16, _I8X64, _I8X64]),
                                             "llvm.x86.avx512.vpdpbusd.512")
         return builder.call(fn, [acc, u8, s8])
-    i16x16, i32x8 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
-    pmaddwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32x8, [i16x16, i16x16]),
-                                             "llvm.x86.avx2.pmadd.wd")
-    to16 = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
-    if small:
-        i8x32 = ir.VectorType(ir.IntType(8), 32)
-        maddubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16x16, [i8x32, i8x32]),
-                                                 "llvm.x86.avx2.pmadd.ub.sw")
-        ones = ir.Constant(i16x16, [1] * 16)
-        sums = []
-        for c in range(2):
-            pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * c, 32 * c + 32)))
-            pairs = builder.call(maddubs, [builder.shuffle_vector(u8, u8, pick), builder.shuffle_vector(s8, s8, pick)])
-            sums.append(builder.call(pmaddwd, [pairs, ones]))
-        return builder.add(acc, builder.shuffle_vector(sums[0], sums[1], to16))
-    a16 = builder.zext(u8, ir.VectorType(_I16, 64))
-    b16 = builder.sext(s8, ir.VectorType(_I16, 64))
-
-    def part(v, c):  # 16 values from 16c
-        return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), list(range(16 * c, 16 * c + 16))))
-
-    pairs = [builder.call(pmaddwd, [part(a16, c), part(b16, c)]) for c in range(4)]  # 4 x (8 x i32)
-    joined = [builder.shuffle_vector(pairs[c], pairs[c + 1], to16) for c in (0, 2)]
-    every = builder.shuffle_vector(joined[0], joined[1], ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
-    even = builder.shuffle_vector(every, every, ir.Constant(_I32X16, list(range(0, 32, 2))))
-    odd = builder.shuffle_vector(every, every, ir.Constant(_I32X16, list(range(1, 32, 2))))
-    return builder.add(acc, builder.add(even, odd))
+    halves = []
+    for c in range(2):
+        pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * c, 32 * c + 32)))
+        acc8 = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(_I32, 8), list(range(8 * c, 8 * c + 8))))
+        halves.append(dpbusd8(builder, acc8, builder.shuffle_vector(u8, u8, pick),
+                              builder.shuffle_vector(s8, s8, pick), small))
+    return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_I32X16, list(range(16))))
 
 
 def dpbusd8(builder, acc, u8, s8, small=False):
-    """dpbusd on AVX2's 256-bit registers: acc (8 x i32) + the 4-byte sums of u8 (32 unsigned
-    bytes) times s8 (32 signed), the same exact sums as dpbusd's AVX2 path."""
-    i16x16, i32x8 = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+    """acc (8 x i32) + in each lane j the sum of u8[4j + i] * s8[4j + i], i < 4 (32 unsigned
+    bytes u8, 32 signed s8), on AVX2: vpmaddubsw adds the products in pairs to 16 bits, then
+    vpmaddwd by ones adds the pairs. vpmaddubsw saturates above 2^15 - 1, which codes below 128
+    (as 4- to 6-bit codes are: small) never reach with activations in [-127, 127]
+    (2 * 127 * 127); wider codes are split into their top bit and the rest
+    (u8 = (u8 & 128) + (u8 & 127): 2 * 128 * 127 fits too), each summed so. Exact sums."""
+    i8x32, i16x16, i32x8 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+    maddubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16x16, [i8x32, i8x32]),
+                                             "llvm.x86.avx2.pmadd.ub.sw")
     pmaddwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32x8, [i16x16, i16x16]),
                                              "llvm.x86.avx2.pmadd.wd")
-    if small:
-        i8x32 = ir.VectorType(ir.IntType(8), 32)
-        maddubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16x16, [i8x32, i8x32]),
-                                                 "llvm.x86.avx2.pmadd.ub.sw")
-        pairs = builder.call(maddubs, [u8, s8])
-        return builder.add(acc, builder.call(pmaddwd, [pairs, ir.Constant(i16x16, [1] * 16)]))
-    a16 = builder.zext(u8, ir.VectorType(_I16, 32))
-    b16 = builder.sext(s8, ir.VectorType(_I16, 32))
-
-    def part(v, c):  # 16 values from 16c
-        return builder.shuffle_vector(v, v, ir.Constant(_I32X16, list(range(16 * c, 16 * c + 16))))
-
-    pairs = [builder.call(pmaddwd, [part(a16, c), part(b16, c)]) for c in range(2)]  # 2 x (8 x i32)
-    every = builder.shuffle_vector(pairs[0], pairs[1], ir.Constant(_I32X16, list(range(16))))
-    i32x8_idx = ir.VectorType(_I32, 8)
-    even = builder.shuffle_vector(every, every, ir.Constant(i32x8_idx, list(range(0, 16, 2))))
-    odd = builder.shuffle_vector(every, every, ir.Constant(i32x8_idx, list(range(1, 16, 2))))
-    return builder.add(acc, builder.add(even, odd))
+    ones = ir.Constant(i16x16, [1] * 16)
+    parts = [u8] if small else [builder.and_(u8, ir.Constant(i8x32, [127] * 32)),
+                                builder.and_(u8, ir.Constant(i8x32, [128] * 32))]
+    for part in parts:
+        acc = builder.add(acc, builder.call(pmaddwd, [builder.call(maddubs, [part, s8]), ones]))
+    return acc
 
 
 def _data_pointer(context, builder, array_type, array, offset):
