@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 MODELS := models/SmolLM2-135M-Instruct.Q4_1.gguf models/gemma-3-270m-q4_k_m.gguf
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: install models test test-fast bench bench-serve run gpu-check clean
+.PHONY: install models test test-fast bench bench-serve bench-speculative run gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,10 @@ bench: install models
 # LLAMA_SERVER=path/to/llama-server: the same HTTP load on llama-server, one after the other
 bench-serve: install models
 	$(PY) -m minillm.server.bench $(DEFAULT_MODEL) --out bench-serve.json $(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER))
+
+# LLAMA_BIN=folder of llama-lookup and llama-speculative-simple: llama.cpp on the same prompts
+bench-speculative: install models
+	$(PY) -m minillm.bench_speculative --out bench-speculative.json $(if $(LLAMA_BIN),--llama-bin $(LLAMA_BIN))
 
 # on a machine with an NVIDIA GPU: CUDA tests for real, golden parity and a benchmark on CUDA
 gpu-check: install models

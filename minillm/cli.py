@@ -86,9 +86,16 @@ def bench(
     parallel: Optional[str] = typer.Option(
         None, "--parallel", help="Sequences at once, e.g. 1,2,4,8,16: aggregate throughput of batched "
         "generation, as llama-batched-bench (prompt -p, default 128; -n tokens each)."),
+    draft: Optional[Path] = typer.Option(None, "-md", "--draft", help="Speculative decoding with this draft "
+                                         "model beside plain decoding, on built-in chat prompts.", show_default=False),
+    lookup: bool = typer.Option(False, "--lookup", help="Speculative decoding by prompt lookup beside plain "
+                                "decoding, on built-in chat prompts."),
 ):
     """Measure load time, prefill (pp) and decode (tg) speed, like llama-bench."""
     gc.enable()  # off while commands start (main); bench times no start, and may run long
+    if draft is not None or lookup:
+        _bench_speculative(model, draft, lookup, n_gen, reps, threads, as_json)
+        return
     if parallel is not None:
         _bench_parallel(model, parallel, 128 if n_prompt is None else n_prompt, n_gen, threads, as_json)
         return
@@ -104,6 +111,19 @@ def bench(
             print(f"pp{n_prompt}: {result['pp_tokens_per_s']:.1f} tokens/s")
         if n_gen:
             print(f"tg{n_gen}: {result['tg_tokens_per_s']:.1f} tokens/s")
+
+
+def _bench_speculative(model: Path, draft: Optional[Path], lookup: bool, n_gen: int, reps: int, threads,
+                       as_json: bool) -> None:
+    from .bench_speculative import print_result, run_speculative_bench
+
+    if draft is not None and lookup:
+        raise typer.BadParameter("--draft and --lookup: choose one")
+    result = run_speculative_bench(model, n_gen, max(reps, 2), threads, draft, lookup, on_compile=compile_notice)
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print_result(result)
 
 
 def _bench_parallel(model: Path, levels: str, n_prompt: int, n_gen: int, threads, as_json: bool) -> None:

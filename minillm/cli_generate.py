@@ -41,7 +41,8 @@ DRAFT_P_MIN = typer.Option(0.75, "--draft-p-min", min=0.0, max=1.0,
                            help="Speculative decoding: the draft stops below this probability of its best token.")
 LOOKUP = typer.Option(False, "--lookup", help="Speculative decoding by prompt lookup: guesses copied from the "
                       "prompt and the text so far (output unchanged).")
-LOOKUP_NGRAM = typer.Option(3, "--lookup-ngram", min=1, max=16, help="With --lookup: the longest run of last tokens matched.")
+LOOKUP_NGRAM = typer.Option(3, "--lookup-ngram", min=1, max=16,
+                            help="With --lookup: the longest run of last tokens matched (down to 2; 1: single tokens).")
 
 
 def sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty,

@@ -148,11 +148,11 @@ class Session:
         params = params or SamplingParams()
         sampler = Sampler(params)
         prompt_ids = self.check_prompt(list(prompt_ids), truncate)
-        if speculation is not None:
-            speculation.start()
         timings = Timings()
         t0 = time.perf_counter()
         logits = self.prefill(prompt_ids)
+        if speculation is not None:
+            speculation.start(prompt_ids)  # a draft model evaluates the prompt too
         timings.n_prompt, timings.prompt_s = self.n_evaluated, time.perf_counter() - t0
         decoder = self.tokenizer.stream_decoder()
         stops = StopMatcher(list(stop))

@@ -16,7 +16,6 @@ costs little more than plain decoding.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -32,27 +31,29 @@ class SpeculationParams:
     draft_max: int = 16     # tokens guessed a step, at most
     draft_min: int = 0      # fewer guesses than this are not worth a pass: evaluate plainly
     p_min: float = 0.75     # a draft model stops guessing below this probability of its best token
-    lookup_ngram: int = 3   # prompt lookup: the longest run of last tokens matched
+    lookup_ngram: int = 3   # prompt lookup: the longest run of last tokens matched (down to 2)
 
 
 class PromptLookup:
-    """Guesses from the token history itself: the last `ngram` tokens (then fewer, down to
-    one) are looked up among the earlier ones, and the tokens that followed their latest
-    earlier occurrence are proposed."""
+    """Guesses from the token history itself: the last `ngram` tokens (then fewer, down to two:
+    a single token's match guesses poorly) are looked up among the earlier ones, and the
+    tokens that followed their latest earlier occurrence are proposed."""
+
+    cost = 0.0  # guessing takes no time worth counting
 
     def __init__(self, ngram: int):
         self.ngram = ngram
-        self.start()
+        self.start([])
 
-    def start(self) -> None:
-        """Forget the history indexed (a new generation)."""
+    def start(self, prompt_ids: list[int]) -> None:
+        """A new generation: forget the history indexed."""
         # per n-gram size: n-gram -> the position right after its latest occurrence that has a successor
         self.follows: list[dict[tuple, int]] = [{} for _ in range(self.ngram + 1)]
         self.n_indexed = 0  # n-grams ending before this position are indexed
 
     def propose(self, history: list[int], n: int) -> list[int]:
         self._index(history)
-        for size in range(min(self.ngram, len(history) - 1), 0, -1):
+        for size in range(min(self.ngram, len(history) - 1), min(2, self.ngram) - 1, -1):
             at = self.follows[size].get(tuple(history[-size:]))
             if at is not None:
                 return history[at:at + n]
@@ -75,9 +76,13 @@ class DraftModel:
         check_same_vocabulary(draft, target)
         self.session = Session(draft, n_ctx=n_ctx)
         self.p_min = p_min
+        # a guess costs about a decode step of the draft: their weights' sizes, to start with
+        self.cost = draft.path.stat().st_size / target.path.stat().st_size
 
-    def start(self) -> None:
-        """A new generation: the session keeps whatever prefix it shares."""
+    def start(self, prompt_ids: list[int]) -> None:
+        """A new generation: the draft evaluates the prompt now, with the model's prompt
+        (its session reuses the prefix it already holds)."""
+        self.session.prefill(prompt_ids)
 
     def propose(self, history: list[int], n: int) -> list[int]:
         logits = self.session.prefill(history)
@@ -95,14 +100,6 @@ class DraftModel:
         return guesses
 
 
-def _best_count(acceptance: float, cost: float, most: int) -> int:
-    """The k <= most that maximises (1 - a^(k+1)) / (1 - a) / (1 + k * cost); 0 if none beats 1."""
-    a = acceptance
-    rates = [(1 - a ** (k + 1)) / (1 - a) / (1 + k * cost) for k in range(most + 1)]
-    best = int(np.argmax(rates))
-    return best if rates[best] > 1.0 else 0
-
-
 def check_same_vocabulary(draft, target) -> None:
     """A draft must number the same tokens the same way, or its guesses mean other text."""
     a, b = draft.tokenizer.vocab, target.tokenizer.vocab
@@ -116,21 +113,32 @@ def check_same_vocabulary(draft, target) -> None:
 
 
 class Speculation:
-    """A session's guessing: the guesser, how many tokens to guess, the counts of a generation."""
+    """A session's guessing: the guesser, how many tokens to guess, the counts of a generation.
+
+    The guess count k is the one with the most tokens per unit of time expected. A pass with k
+    guesses yields 1 + a1 * (1 - ac^k) / (1 - ac) tokens, where a1 is the chance that the first
+    guess is accepted and ac the chance that a guess is accepted after an accepted one (guesses
+    come in runs: a copied passage, a draft in step with the model). It costs cost[k] times a
+    lone step: the pass (measured for each k that has run, a prior before) plus the guessing (a
+    draft model's steps: measured, and before that the ratio of the models' sizes). All three are running averages, so the count follows the
+    text: long runs while it copies, none where guesses do not pay (then one guess now and
+    then, to notice a change)."""
 
     def __init__(self, guesser, params: SpeculationParams):
         self.guesser, self.params = guesser, params
-        self.acceptance = 0.7        # running estimate: the chance that a guess is accepted
-        self.row_cost = 0.5          # running estimate: an extra row's time / a lone token's
-        self.t_lone = None           # seconds of one plain decode step (measured)
-        self.t_guess = 0.0           # seconds per guessed token spent guessing (a draft model's)
-        self.start()
+        self.first, self.then = 0.6, 0.8  # acceptance of a first guess, of a guess after an accepted one
+        k = np.arange(params.draft_max + 1)
+        self.pass_cost = np.where(k == 0, 1.0, 1.35 + 0.3 * k)  # (k,) a pass of 1 + k rows / a lone step
+        self.t_lone = None     # seconds of one plain decode step (measured)
+        self.guess_cost = guesser.cost  # time to guess a token / a lone step (measured; a prior before)
+        self.n_drafted = self.n_accepted = self.since_guess = self.run = 0
 
-    def start(self) -> None:
+    def start(self, prompt_ids: list[int]) -> None:
         """A new generation: its counts start at zero (the estimates carry over)."""
-        self.guesser.start()
+        self.guesser.start(prompt_ids)
         self.n_drafted = self.n_accepted = 0
         self.since_guess = 0
+        self.run = 0  # guesses of the current pass judged so far
 
     def guesses(self, history: list[int], room: int) -> list[int]:
         """Tokens to evaluate after history's last one, at most room."""
@@ -140,40 +148,50 @@ class Speculation:
             return []
         t0 = time.perf_counter()
         guesses = self.guesser.propose(history, n)
-        if guesses and isinstance(self.guesser, DraftModel):
-            self.t_guess = 0.8 * self.t_guess + 0.2 * (time.perf_counter() - t0) / len(guesses)
-        self.since_guess = 0
-        return guesses if len(guesses) >= self.params.draft_min else []
+        if guesses and self.guesser.cost and self.t_lone:
+            spent = (time.perf_counter() - t0) / len(guesses) / self.t_lone
+            self.guess_cost = 0.8 * self.guess_cost + 0.2 * spent
+        self.since_guess = self.run = 0
+        if len(guesses) < max(1, self.params.draft_min):
+            return []
+        self.n_drafted += len(guesses)
+        return guesses
 
     def n_to_guess(self) -> int:
-        """The guess count with the most tokens per second expected: k guesses give
-        (1 - a^(k+1)) / (1 - a) tokens (a: the acceptance) for the time of 1 + k * (row cost +
-        guess cost) lone steps. None before a lone step has been timed; when none pays, one
-        now and then if some acceptance could make guessing pay."""
+        """The guess count with the most tokens per unit of time expected (see the class); 0
+        before a lone step has been timed."""
         if self.t_lone is None:
             return 0
-        cost = self.row_cost + self.t_guess / self.t_lone
-        best = _best_count(min(self.acceptance, 0.99), cost, self.params.draft_max)
-        if best == 0 and self.since_guess >= PROBE_EVERY and _best_count(0.99, cost, self.params.draft_max):
+        best = self._best_count(self.first, self.then)
+        if best == 0 and self.since_guess >= PROBE_EVERY and self._best_count(0.99, 0.99):
             return 1
         return best
+
+    def _best_count(self, first: float, then: float) -> int:
+        k = np.arange(self.params.draft_max + 1)
+        then = min(then, 0.99)
+        tokens = 1 + first * (1 - then ** k) / (1 - then)
+        cost = self.pass_cost + k * self.guess_cost
+        rate = tokens / cost
+        best = int(np.argmax(rate))
+        return best if rate[best] > 1.0 else 0
 
     def timed(self, n_rows: int, seconds: float) -> None:
         """Learn the cost of a pass of n_rows rows."""
         if n_rows == 1:
             self.t_lone = seconds if self.t_lone is None else 0.9 * self.t_lone + 0.1 * seconds
         elif self.t_lone:
-            per_row = (seconds - self.t_lone) / (n_rows - 1) / self.t_lone
-            self.row_cost = 0.8 * self.row_cost + 0.2 * min(max(per_row, 0.05), 2.0)
+            k = n_rows - 1
+            self.pass_cost[k] = 0.7 * self.pass_cost[k] + 0.3 * seconds / self.t_lone
 
     def judged(self, accepted: bool) -> None:
-        self.n_drafted += 1
+        """The sampler kept (accepted) or replaced the next guess of the pass."""
         self.n_accepted += accepted
-        self.acceptance = 0.9 * self.acceptance + 0.1 * accepted
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.n_accepted / self.n_drafted if self.n_drafted else math.nan
+        if self.run == 0:
+            self.first = 0.8 * self.first + 0.2 * accepted
+        else:
+            self.then = 0.8 * self.then + 0.2 * accepted
+        self.run += 1
 
 
 def guess_summary(timings) -> str:

@@ -30,10 +30,12 @@ def chi2_critical(df: int, alpha: float = FALSE_ALARM) -> float:
 class FixedGuesses:
     """A guesser that proposes given tokens after given history lengths (tests)."""
 
+    cost = 0.0
+
     def __init__(self, table):
         self.table = table  # len(history) -> guesses
 
-    def start(self):
+    def start(self, prompt_ids):
         pass
 
     def propose(self, history, n):
@@ -53,7 +55,9 @@ def test_lookup_proposes_what_followed_the_latest_match():
     history = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3, 4]
     assert PromptLookup(3).propose(history, 3) == [7, 8, 2]   # [2, 3, 4] last seen before 7
     assert PromptLookup(3).propose(history, 9) == [7, 8, 2, 3, 4]
-    assert PromptLookup(3).propose([5, 6, 1, 6], 2) == [1, 6]  # only the 1-gram [6] matches
+    assert PromptLookup(3).propose([5, 6, 7, 1, 6, 7], 2) == [1, 6]  # only the 2-gram [6, 7] matches
+    assert PromptLookup(3).propose([5, 6, 1, 6], 2) == []              # a single token is not matched
+    assert PromptLookup(1).propose([5, 6, 1, 6], 2) == [1, 6]          # unless ngram is 1
     assert PromptLookup(3).propose([1, 2, 3], 4) == []
 
 
@@ -65,8 +69,8 @@ def test_lookup_index_follows_a_growing_history():
     assert look.propose(history, 2) == [12, 13]
     history += [14, 10, 11]
     assert look.propose(history, 1) == [14]  # the latest occurrence of [10, 11] wins
-    look.start()
-    assert look.propose([1, 2, 1], 1) == [2]
+    look.start([])
+    assert look.propose([1, 2, 3, 1, 2], 1) == [3]
 
 
 # ---- sampling: exact distribution ---------------------------------------------------------
