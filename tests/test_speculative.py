@@ -290,3 +290,14 @@ def test_cli_draft_with_another_vocabulary_is_one_error_line():
     out = run_cli("generate", str(model_path("smollm2")), "-p", "Hi", "-n", "4", "--draft", str(model_path("gemma3")))
     assert out.returncode == 1 and out.stdout == ""
     assert "vocabulary" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_bench_lookup_reports_both_prompt_sets():
+    out = run_cli("bench", str(model_path("smollm2")), "--lookup", "-n", "6", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert [s["prompts"] for s in result["sets"]] == ["copy", "open"]
+    for s in result["sets"]:
+        assert s["identical"] and s["tokens"] > 0 and s["plain_tokens_per_s"] > 0 and s["speedup"] > 0
+    assert run_cli("bench", str(model_path("smollm2")), "--lookup", "--draft", "x.gguf").returncode == 2
