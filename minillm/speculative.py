@@ -128,7 +128,7 @@ class Speculation:
         self.guesser, self.params = guesser, params
         self.first, self.then = 0.6, 0.8  # acceptance of a first guess, of a guess after an accepted one
         k = np.arange(params.draft_max + 1)
-        self.pass_cost = np.where(k == 0, 1.0, 1.35 + 0.3 * k)  # (k,) a pass of 1 + k rows / a lone step
+        self.pass_cost = np.where(k == 0, 1.0, 1.1 + 0.3 * k)  # (k,) a pass of 1 + k rows / a lone step
         self.t_lone = None     # seconds of one plain decode step (measured)
         self.guess_cost = guesser.cost  # time to guess a token / a lone step (measured; a prior before)
         self.n_drafted = self.n_accepted = self.since_guess = self.run = 0

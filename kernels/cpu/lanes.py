@@ -156,6 +156,8 @@ def qmatmul_lanes3(data1, data2, data3, n_mats, bits, has_min, offset, xq, xd, x
 
 # from this many tokens on, a 5-bit tile is widened to bytes once rather than at every token
 WIDEN_MIN_TOKENS = 8
+# from this many tokens on, AVX2 walks a tile in passes of 8 rows (lanes_gemv's batch walk)
+BATCH_WALK_MIN_TOKENS = 4
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -169,7 +171,7 @@ def _lanes_tile(data, bits, has_min, offset, xq, xd, xs, xn4, out, nt):
     for t in range(T):
         if HAS_INT8_DOT:
             _tile_vnni(data, w_off, xq, t * n_blk * 32, xd, xs, xn4, t * n_blk, n_blk, offset, bits, has_min,
-                       T > 1, acc)
+                       T >= BATCH_WALK_MIN_TOKENS, acc)
         else:
             _tile_portable(data, w_off, xq, t, xd, xs, xn4, n_blk, offset, bits, has_min, acc)
         for r in range(min(R, out.shape[1] - nt * R)):
