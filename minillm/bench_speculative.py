@@ -49,15 +49,16 @@ OPEN = {
 SETS = {"copy": COPY, "open": OPEN}
 
 
-def run_speculative_bench(path, n_gen: int = 128, reps: int = 2, threads=None, draft=None, lookup: bool = False,
-                          on_compile=None) -> dict:
-    """Plain and speculative greedy decoding on each prompt, reps times each in turn (the best
-    time of each kept); per set, tokens/s over all its prompts, the speed-up, the guesses."""
+def load(path, threads=None, on_compile=None) -> Model:
     model = Model(path, threads=threads)
     model.warm_up(on_compile)
-    draft_model = Model(draft, threads=threads) if draft is not None else None
-    if draft_model is not None:
-        draft_model.warm_up(on_compile)
+    return model
+
+
+def run_speculative_bench(model: Model, n_gen: int = 128, reps: int = 2, draft_model: Model | None = None,
+                          lookup: bool = False) -> dict:
+    """Plain and speculative greedy decoding on each prompt, reps times each in turn (the best
+    time of each kept); per set, tokens/s over all its prompts, the speed-up, the guesses."""
     result = {"model": model.path.name, "draft": draft_model and draft_model.path.name, "lookup": lookup,
               "threads": model.threads, "n_gen": n_gen, "sets": []}
     for name, prompts in SETS.items():
@@ -84,7 +85,7 @@ def _one_prompt(model, draft_model, lookup, text, n_gen, reps) -> dict:
                 identical=plain.tokens == spec.tokens)
 
 
-def llama_cpp_speed(binary: Path, model: Model, path, n_gen: int, threads: int, draft=None) -> dict:
+def llama_cpp_speed(binary: Path, model: Model, n_gen: int, draft=None) -> dict:
     """llama-lookup (draft None) or llama-speculative-simple (-md draft): decode tokens/s per set,
     on the same chat-formatted prompts, greedy."""
     out = {}
@@ -94,8 +95,10 @@ def llama_cpp_speed(binary: Path, model: Model, path, n_gen: int, threads: int, 
             with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
                 f.write(model.apply_chat_template([{"role": "user", "content": text}]))
                 f.flush()
-                args = [str(binary), "-m", str(path), "-f", f.name, "-n", str(n_gen), "--temp", "0",
-                        "-t", str(threads), "-c", "4096"] + (["-md", str(draft), "--spec-type", "draft-simple"] if draft else [])
+                args = [str(binary), "-m", str(model.path), "-f", f.name, "-n", str(n_gen), "--temp", "0",
+                        "-t", str(model.threads), "-c", "4096"]
+                if draft:
+                    args += ["-md", str(draft), "--spec-type", "draft-simple"]
                 log = subprocess.run(args, capture_output=True, text=True, timeout=600).stderr
             found = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
             if not found:
@@ -121,10 +124,11 @@ def main() -> None:
     cases = [(small, None), (models / "gemma-3-270m-q4_k_m.gguf", None), (q8, small)]
     results = []
     for path, draft in cases:
-        r = run_speculative_bench(path, args.n, draft=draft, lookup=draft is None)
+        model = load(path)
+        r = run_speculative_bench(model, args.n, draft_model=draft and load(draft), lookup=draft is None)
         if args.llama_bin:
             tool = Path(args.llama_bin) / ("llama-speculative-simple" if draft else "llama-lookup")
-            r["llama_cpp"] = {"tool": tool.name, **llama_cpp_speed(tool, Model(path), path, args.n, r["threads"], draft)}
+            r["llama_cpp"] = {"tool": tool.name, **llama_cpp_speed(tool, model, args.n, draft)}
         results.append(r)
         print_result(r)
     Path(args.out).write_text(json.dumps(results, indent=2))
@@ -134,7 +138,9 @@ def print_result(r: dict) -> None:
     how = f"draft {r['draft']}" if r["draft"] else "prompt lookup"
     print(f"{r['model']}, {how}, greedy, {r['n_gen']} tokens a prompt")
     for s in r["sets"]:
-        peer = f"   llama.cpp {r['llama_cpp']['tool']}: {r['llama_cpp'][s['prompts']]:.1f} tok/s" if "llama_cpp" in r else ""
+        peer = ""
+        if "llama_cpp" in r:
+            peer = f"   llama.cpp {r['llama_cpp']['tool']}: {r['llama_cpp'][s['prompts']]:.1f} tok/s"
         print(f"  {s['prompts']:>5}: plain {s['plain_tokens_per_s']:6.1f} tok/s, speculative {s['tokens_per_s']:6.1f} "
               f"(x{s['speedup']:.2f}), accepted {s['accepted']}/{s['drafted']}, identical {s['identical']}{peer}")
 

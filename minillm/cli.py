@@ -115,11 +115,12 @@ def bench(
 
 def _bench_speculative(model: Path, draft: Optional[Path], lookup: bool, n_gen: int, reps: int, threads,
                        as_json: bool) -> None:
-    from .bench_speculative import print_result, run_speculative_bench
+    from .bench_speculative import load, print_result, run_speculative_bench
 
     if draft is not None and lookup:
         raise typer.BadParameter("--draft and --lookup: choose one")
-    result = run_speculative_bench(model, n_gen, max(reps, 2), threads, draft, lookup, on_compile=compile_notice)
+    draft_model = load(draft, threads, compile_notice) if draft is not None else None
+    result = run_speculative_bench(load(model, threads, compile_notice), n_gen, max(reps, 2), draft_model, lookup)
     if as_json:
         print(json.dumps(result))
     else:

@@ -35,8 +35,10 @@ DEVICE = typer.Option("auto", "--device", help="cpu, cuda, or auto (CUDA when nu
 CHAT_TEMPLATE = typer.Option(None, "--chat-template", help="Jinja chat template file to use instead of the model's.")
 DRAFT = typer.Option(None, "-md", "--draft", help="Speculative decoding: a smaller model of the same vocabulary "
                      "guesses tokens (output unchanged).", show_default=False)
-DRAFT_MAX = typer.Option(16, "--draft-max", min=1, max=256, help="Speculative decoding: tokens guessed a step, at most.")
-DRAFT_MIN = typer.Option(0, "--draft-min", min=0, max=256, help="Speculative decoding: fewer guesses than this are dropped.")
+DRAFT_MAX = typer.Option(16, "--draft-max", min=1, max=256,
+                         help="Speculative decoding: tokens guessed a step, at most.")
+DRAFT_MIN = typer.Option(0, "--draft-min", min=0, max=256,
+                         help="Speculative decoding: fewer guesses than this are dropped.")
 DRAFT_P_MIN = typer.Option(0.75, "--draft-p-min", min=0.0, max=1.0,
                            help="Speculative decoding: the draft stops below this probability of its best token.")
 LOOKUP = typer.Option(False, "--lookup", help="Speculative decoding by prompt lookup: guesses copied from the "

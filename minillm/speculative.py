@@ -53,7 +53,7 @@ class PromptLookup:
 
     def propose(self, history: list[int], n: int) -> list[int]:
         self._index(history)
-        for size in range(min(self.ngram, len(history) - 1), min(2, self.ngram) - 1, -1):
+        for size in range(min(self.ngram, len(history) - 1), min(2, self.ngram) - 1, -1):  # longest first
             at = self.follows[size].get(tuple(history[-size:]))
             if at is not None:
                 return history[at:at + n]
@@ -61,7 +61,7 @@ class PromptLookup:
 
     def _index(self, history: list[int]) -> None:
         for end in range(max(1, self.n_indexed), len(history)):  # n-grams ending at `end` (exclusive)
-            for size in range(1, min(self.ngram, end) + 1):
+            for size in range(min(2, self.ngram), min(self.ngram, end) + 1):  # the sizes propose looks up
                 self.follows[size][tuple(history[end - size:end])] = end
         self.n_indexed = len(history)
 
@@ -120,15 +120,16 @@ class Speculation:
     guess is accepted and ac the chance that a guess is accepted after an accepted one (guesses
     come in runs: a copied passage, a draft in step with the model). It costs cost[k] times a
     lone step: the pass (measured for each k that has run, a prior before) plus the guessing (a
-    draft model's steps: measured, and before that the ratio of the models' sizes). All three are running averages, so the count follows the
-    text: long runs while it copies, none where guesses do not pay (then one guess now and
-    then, to notice a change)."""
+    draft model's steps: measured, and before that the ratio of the models' sizes). All three
+    are running averages, so the count follows the text: long runs while it copies, none where
+    guesses do not pay (then one guess now and then, to notice a change)."""
 
     def __init__(self, guesser, params: SpeculationParams):
         self.guesser, self.params = guesser, params
         self.first, self.then = 0.6, 0.8  # acceptance of a first guess, of a guess after an accepted one
-        k = np.arange(params.draft_max + 1)
-        self.pass_cost = np.where(k == 0, 1.0, 1.1 + 0.3 * k)  # (k,) a pass of 1 + k rows / a lone step
+        self.counts = np.arange(params.draft_max + 1)  # (k,) the guess counts to choose from
+        # (k,) the time of a pass of 1 + k rows / a lone step's
+        self.pass_cost = np.where(self.counts == 0, 1.0, 1.1 + 0.3 * self.counts)
         self.t_lone = None     # seconds of one plain decode step (measured)
         self.guess_cost = guesser.cost  # time to guess a token / a lone step (measured; a prior before)
         self.n_drafted = self.n_accepted = self.since_guess = self.run = 0
@@ -168,7 +169,7 @@ class Speculation:
         return best
 
     def _best_count(self, first: float, then: float) -> int:
-        k = np.arange(self.params.draft_max + 1)
+        k = self.counts
         then = min(then, 0.99)
         tokens = 1 + first * (1 - then ** k) / (1 - then)
         cost = self.pass_cost + k * self.guess_cost
