@@ -452,7 +452,7 @@ class Scheduler:
         rows = np.array(inner + last, np.int64).reshape(-1, 3)
         row_seq, positions, ids = rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy()
         kv_of = self.pool.batch_kv(row_seq, positions)
-        logits = self.model.arch.forward_rows(ids, positions, kv_of, len(inner))
+        logits = self.model.arch.forward_rows(ids, positions, kv_of, len(inner), self.pool.n_ctx)
         for handle, n in plan:
             slot = handle.slot
             start = len(slot.tokens)

@@ -50,21 +50,41 @@ def float_tensor(fmt: str, rows: int, cols: int, rng, scale: float = 0.1) -> np.
     return x
 
 
+# per architecture: the layer tensors beyond Llama's (suffix -> shape rule) and the changes
+FUSED_QKV, FUSED_UP = "fused_qkv", "fused_up"
+ARCH_EXTRAS = {
+    "llama": (),
+    "granite": (),
+    "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    "qwen3": ("attn_q_norm", "attn_k_norm"),
+    "phi3": (FUSED_QKV, FUSED_UP),
+    "gemma2": ("post_attention_norm", "post_ffw_norm"),
+    "gemma3": ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"),
+}
+
+
 class SyntheticModel:
-    """Writes a tiny model and keeps every tensor's float values for the reference."""
+    """Writes a tiny model and keeps every tensor's float values for the reference.
+
+    formats: a format per tensor suffix (attn_q, ffn_up, ...), the others in fmt; keys: extra
+    metadata ({arch}.KEY -> value); extra_tensors: more F32 vectors by full name; vocab: write a
+    small SentencePiece vocabulary (llama.cpp needs one to load the file)."""
 
     def __init__(self, arch: str, fmt: str, seed: int = 0, n_layer: int = 2, n_embd: int = 256,
                  n_head: int = 4, n_head_kv: int = 2, head_dim: int = 64, n_ff: int = 512,
-                 n_vocab: int = 300, window: int = 8):
+                 n_vocab: int = 300, window: int = 8, formats: dict | None = None, keys: dict | None = None,
+                 rope_dims: int | None = None, extra_tensors: dict | None = None, vocab: bool = False):
         self.arch, self.fmt = arch, fmt
         self.n_layer, self.n_embd, self.n_head, self.n_head_kv = n_layer, n_embd, n_head, n_head_kv
         self.head_dim, self.n_ff, self.n_vocab, self.window = head_dim, n_ff, n_vocab, window
+        self.formats, self.keys = formats or {}, keys or {}
+        self.rope_dims, self.extra_tensors, self.vocab = rope_dims, extra_tensors or {}, vocab
         self.rng = np.random.default_rng(seed)
         self.tensors: dict[str, tuple[np.ndarray, str, tuple]] = {}
         self.values: dict[str, np.ndarray] = {}
 
     def add(self, name: str, rows: int, cols: int, fmt: str | None = None) -> None:
-        fmt = fmt or self.fmt
+        fmt = self.formats.get(name.split(".")[-2], fmt or self.fmt)  # blk.0.attn_q.weight -> attn_q
         if fmt in F16_FIELDS:
             raw = random_blocks(fmt, rows, cols, self.rng)
             qtype = gguf.GGMLQuantizationType[fmt]
@@ -81,26 +101,41 @@ class SyntheticModel:
         self.tensors[name] = (w, "F32", (width,))
         self.values[name] = w
 
+    def add_bias(self, name: str, width: int) -> None:
+        b = (0.5 * self.rng.standard_normal(width)).astype(np.float32)
+        self.tensors[name] = (b, "F32", (width,))
+        self.values[name] = b
+
     def build(self) -> "SyntheticModel":
         E, F, D = self.n_embd, self.n_ff, self.head_dim
+        q_dim, kv_dim = self.n_head * D, self.n_head_kv * D
+        extras = ARCH_EXTRAS[self.arch]
         self.add("token_embd.weight", self.n_vocab, E, "Q8_0" if self.fmt in F16_FIELDS else self.fmt)
         self.add_norm("output_norm.weight", E)
+        for name, values in self.extra_tensors.items():
+            self.tensors[name] = (np.asarray(values, np.float32), "F32", (len(values),))
         for il in range(self.n_layer):
             p = f"blk.{il}."
             self.add_norm(p + "attn_norm.weight", E)
-            self.add(p + "attn_q.weight", self.n_head * D, E)
-            self.add(p + "attn_k.weight", self.n_head_kv * D, E)
-            self.add(p + "attn_v.weight", self.n_head_kv * D, E)
-            self.add(p + "attn_output.weight", E, self.n_head * D)
+            if FUSED_QKV in extras:
+                self.add(p + "attn_qkv.weight", q_dim + 2 * kv_dim, E)
+            else:
+                self.add(p + "attn_q.weight", q_dim, E)
+                self.add(p + "attn_k.weight", kv_dim, E)
+                self.add(p + "attn_v.weight", kv_dim, E)
+            self.add(p + "attn_output.weight", E, q_dim)
             self.add_norm(p + "ffn_norm.weight", E)
-            self.add(p + "ffn_gate.weight", F, E)
-            self.add(p + "ffn_up.weight", F, E)
+            if FUSED_UP in extras:
+                self.add(p + "ffn_up.weight", 2 * F, E)
+            else:
+                self.add(p + "ffn_gate.weight", F, E)
+                self.add(p + "ffn_up.weight", F, E)
             self.add(p + "ffn_down.weight", E, F)
-            if self.arch == "gemma3":
-                self.add_norm(p + "attn_q_norm.weight", D)
-                self.add_norm(p + "attn_k_norm.weight", D)
-                self.add_norm(p + "post_attention_norm.weight", E)
-                self.add_norm(p + "post_ffw_norm.weight", E)
+            for extra in extras:
+                if extra.endswith(".bias"):
+                    self.add_bias(p + extra, q_dim if extra.startswith("attn_q") else kv_dim)
+                elif extra.endswith("_norm"):
+                    self.add_norm(p + extra + ".weight", D if extra.startswith(("attn_q", "attn_k")) else E)
         return self
 
     def write(self, path: Path) -> Path:
@@ -116,8 +151,21 @@ class SyntheticModel:
         w.add_uint32(f"{a}.attention.value_length", self.head_dim)
         w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
         w.add_float32(f"{a}.rope.freq_base", 10000.0 if a == "llama" else 1000000.0)
-        if a == "gemma3":
+        if self.rope_dims:
+            w.add_uint32(f"{a}.rope.dimension_count", self.rope_dims)
+        if a in ("gemma3", "gemma2"):
             w.add_uint32(f"{a}.attention.sliding_window", self.window)
+        for key, value in self.keys.items():
+            if isinstance(value, bool):
+                w.add_bool(f"{a}.{key}", value)
+            elif isinstance(value, int):
+                w.add_uint32(f"{a}.{key}", value)
+            elif isinstance(value, float):
+                w.add_float32(f"{a}.{key}", value)
+            else:
+                w.add_string(f"{a}.{key}", value)
+        if self.vocab:
+            write_vocab(w, self.n_vocab)
         for name, (raw, fmt, shape) in self.tensors.items():
             if fmt in ("F32", "F16"):
                 w.add_tensor(name, raw)
@@ -128,6 +176,21 @@ class SyntheticModel:
         w.write_tensors_to_file()
         w.close()
         return path
+
+
+def write_vocab(w: "gguf.GGUFWriter", n_vocab: int) -> None:
+    """A SentencePiece vocabulary of n_vocab tokens: <unk>, <s>, </s>, the 256 byte tokens,
+    then plain pieces."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\u2581t{i}" for i in range(n_vocab - len(tokens))]
+    types = [2, 3, 3] + [6] * 256 + [1] * (n_vocab - 259)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens[:n_vocab])
+    w.add_token_scores([0.0] * n_vocab)
+    w.add_token_types(types[:n_vocab])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
 
 
 # ---- plain NumPy reference forward (float64, no activation quantization) ----

@@ -26,7 +26,8 @@ import numpy as np
 
 from .f16 import f16_round, f16_round_finite, f16_value
 from .fma import fma
-from .simd import dot_f16_64, f16_mad_rows, f16_rescale_add_rows, fma_chain_64, fma_chains_64x2, v_expf_rows
+from .ops import GGML_AVX512, v_expf_avx2
+from .simd import dot_f16_32, dot_f16_64, f16_mad_rows, f16_rescale_add_rows, fma_chain_64, fma_chains_64x2, v_expf_rows
 
 Q_TILE = 64           # query rows per tile, and the batch size from which ggml tiles
 KV_TILE = 64          # cells per tile
@@ -35,6 +36,10 @@ KV_PAD = 256          # llama.cpp's cells handed to attention: a multiple of thi
 # the split path cuts the cells in one run per thread, as llama.cpp with as many threads as
 # cores (read once: calling nb.get_num_threads() here would keep Numba from caching the layers)
 SPLIT_PARTS = max(1, nb.config.NUMBA_NUM_THREADS)
+
+# ggml's f16 dot product (the one-chunk scores) sums in 16-lane registers where it is built with
+# AVX-512 and in 8-lane ones with AVX2, as its softmax does (ops.GGML_AVX512).
+F16_DOT_STEP = 64 if GGML_AVX512 else 32
 
 _NO_TABLE = np.zeros(0, np.int64)  # the block table of a sequence's own (unpaged) cache
 
@@ -80,11 +85,14 @@ def _ring_start(newest, n_keep, n_slots):
 
 @nb.njit(inline="always", cache=True, nogil=True)
 def _dot_f16(k, k_at, q, q_at, D):
-    """ggml_vec_dot_f16 (AVX-512) of D values of k from k_at and of q from q_at (flat arrays):
-    the steps of 64 in float32 (simd.dot_f16_64), the rest in double."""
-    n64 = D - D % 64
-    total = np.float64(dot_f16_64(k, k_at, q, q_at, n64))
-    for i in range(n64, D):
+    """ggml_vec_dot_f16 of D values of k from k_at and of q from q_at (flat arrays), as ggml is
+    built for this CPU (F16_DOT_STEP): the SIMD steps in float32, the rest in double."""
+    n_simd = D - D % F16_DOT_STEP
+    if F16_DOT_STEP == 64:
+        total = np.float64(dot_f16_64(k, k_at, q, q_at, n_simd))
+    else:
+        total = np.float64(dot_f16_32(k, k_at, q, q_at, n_simd))
+    for i in range(n_simd, D):
         total += np.float64(f16_value(k[k_at + i]) * q[q_at + i])
     return np.float32(total)
 
@@ -112,9 +120,18 @@ def _mad_f16(acc, acc_at, v, v_at, vs, D):
             acc[acc_at + d] = f16_round_finite(fma(f16_value(v[v_at + d]), vs, acc[acc_at + d]))
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def _capped(score, softcap):
+    """Logit soft-capping (Gemma 2): softcap * tanh(score), the score already divided by
+    softcap through the scale (see `attention`); softcap 0: none."""
+    if softcap == 0:
+        return score
+    return softcap * np.float32(math.tanh(score))
+
+
 @nb.njit(**_SER)
 def _one_chunk(q16, first, last, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, table, shift, kvh, window,
-               scale, acc, m, s_sum):
+               scale, softcap, acc, m, s_sum):
     """Online softmax over cells [first, last) as ggml's one_chunk (newest: the batch's last
     position), for the G heads of q16 (G, D) (f16-rounded queries) that share KV head kvh. Head
     g's result: acc[g] (D,) the f16-rounded, unnormalized V sum, m[g] the running max, s_sum[g]
@@ -144,7 +161,7 @@ def _one_chunk(q16, first, last, pos, newest, n_keep, n_slots, kcache, vcache, k
             continue
         at = (row * H + kvh) * D
         for g in range(G):
-            score = _dot_f16(k, at, q, g * D, D) * scale
+            score = _capped(_dot_f16(k, at, q, g * D, D) * scale, softcap)
             if score > m[g]:
                 ms = np.float32(math.exp(m[g] - score))
                 m[g] = score
@@ -177,7 +194,7 @@ def _queries_f16(q, t, h0, G, D):
 
 
 @nb.njit(**_PAR)
-def _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, out):
+def _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, softcap, n_heads, out):
     T = q.shape[0]
     D = kcache.shape[2]
     group = n_heads // kcache.shape[1]
@@ -189,7 +206,7 @@ def _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window,
         m = np.empty(G, np.float32)
         s_sum = np.empty(G, np.float32)
         _one_chunk(_queries_f16(q, t, h0, G, D), 0, n_cells, q_pos[t], q_pos[-1], n_keep, kcache.shape[0], kcache,
-                   vcache, kv_pos, _NO_TABLE, -1, h0 // group, window, scale, acc, m, s_sum)
+                   vcache, kv_pos, _NO_TABLE, -1, h0 // group, window, scale, softcap, acc, m, s_sum)
         for g in range(G):
             inv = np.float32(1.0) / s_sum[g] if s_sum[g] != 0 else np.float32(0.0)
             for d in range(D):
@@ -197,7 +214,7 @@ def _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window,
 
 
 @nb.njit(**_PAR)
-def _split_runs(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, n_parts,
+def _split_runs(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, softcap, n_heads, n_parts,
                 acc, m, s_sum):
     """Each run of cells (n_parts equal runs) as a one-chunk pass, for each head: acc (n_parts,
     H, D), m and s_sum (n_parts, H); a job takes one run and some heads of one KV head."""
@@ -215,20 +232,20 @@ def _split_runs(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale
         m_j = np.empty(G, np.float32)
         s_j = np.empty(G, np.float32)
         _one_chunk(_queries_f16(q, 0, h0, G, D), part * run, (part + 1) * run, q_pos[0], q_pos[0], n_keep,
-                   kcache.shape[0], kcache, vcache, kv_pos, _NO_TABLE, -1, h0 // group, window, scale, acc_j, m_j, s_j)
+                   kcache.shape[0], kcache, vcache, kv_pos, _NO_TABLE, -1, h0 // group, window, scale, softcap, acc_j, m_j, s_j)
         acc[part, h0:h0 + G] = acc_j
         m[part, h0:h0 + G] = m_j
         s_sum[part, h0:h0 + G] = s_j
 
 
 @nb.njit(**_SER)
-def _attend_split(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, n_parts, out):
+def _attend_split(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, softcap, n_heads, n_parts, out):
     """One query: cells cut into n_parts runs, each a one-chunk pass, merged in order."""
     D = kcache.shape[2]
     acc = np.empty((n_parts, n_heads, D), np.float32)
     m = np.empty((n_parts, n_heads), np.float32)
     s_sum = np.empty((n_parts, n_heads), np.float32)
-    _split_runs(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, n_parts, acc, m, s_sum)
+    _split_runs(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, softcap, n_heads, n_parts, acc, m, s_sum)
     _merge_runs(acc, m, s_sum, n_parts, out, 0)
 
 
@@ -268,6 +285,14 @@ def _reduce16(x, at):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
+def _reduce8(x, at):
+    """ggml's AVX2 sum of x[at:at+8]: the 128-bit halves added (i + i+4), then (0+2) + (1+3)."""
+    a0, a1 = x[at] + x[at + 4], x[at + 1] + x[at + 5]
+    a2, a3 = x[at + 2] + x[at + 6], x[at + 3] + x[at + 7]
+    return (a0 + a2) + (a1 + a3)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
 def _tiled_job(job, n_jobs, n_kv_heads):
     """(KV head, first query row) of a tiled-attention job. A query tile's work grows with its
     position (causal: tile i reads i + 1 KV tiles), and prange hands each thread one contiguous
@@ -278,7 +303,7 @@ def _tiled_job(job, n_jobs, n_kv_heads):
 
 
 @nb.njit(**_PAR)
-def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, out):
+def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, softcap, n_heads, out):
     """ggml_compute_forward_flash_attn_ext_tiled: per head, 64 query rows against 64-cell tiles.
     The heads that share a KV head share each tile's copy of K and V and its mask."""
     T = q.shape[0]
@@ -321,7 +346,7 @@ def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, sca
                     kt[d, tk] = f16_value(kcache[slots[tk], kvh, d]) if cached[tk] else np.float32(0.0)
                     vt[tk, d] = f16_value(vcache[slots[tk], kvh, d]) if cached[tk] else np.float32(0.0)
             for hh in range(group):
-                _tile_head(q, t0, rows, kvh * group + hh, kt, vt, kq, seen, scale, m[hh], s_sum[hh], vkq[hh])
+                _tile_head(q, t0, rows, kvh * group + hh, kt, vt, kq, seen, scale, softcap, m[hh], s_sum[hh], vkq[hh])
         for hh in range(group):
             h = kvh * group + hh
             for tq in range(rows):
@@ -331,12 +356,12 @@ def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, sca
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _tile_head(q, t0, rows, h, kt, vt, kq, seen, scale, m, s_sum, vkq):
+def _tile_head(q, t0, rows, h, kt, vt, kq, seen, scale, softcap, m, s_sum, vkq):
     """One head's step over one tile: scores, online softmax, the V sum (vkq (Q_TILE, D))."""
     D = kt.shape[0]
     _tile_scores(q, t0, rows, h, kt, kq)
     for tq in range(rows):
-        _tile_softmax(kq[tq], seen[tq], scale, tq, m, s_sum, vkq)
+        _tile_softmax(kq[tq], seen[tq], scale, softcap, tq, m, s_sum, vkq)
     if D % 64 == 0:  # vkq[tq] = fma(vt[tk], p[tk], vkq[tq]) for tk in order, 64 dims at a time
         for tq in range(0, rows - 1, 2):  # two rows at a time
             for d in range(0, D, 64):
@@ -369,12 +394,12 @@ def _tile_scores(q, t0, rows, h, kt, kq):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _tile_softmax(row, seen, scale, tq, m, s_sum, vkq):
+def _tile_softmax(row, seen, scale, softcap, tq, m, s_sum, vkq):
     """Scale and mask one row of scores, update the row's max and sum; row becomes the
     probabilities (0 where masked), vkq[tq] rescaled when the max grows."""
     tile_max = np.float32(-np.inf)
     for tk in range(KV_TILE):
-        row[tk] = row[tk] * scale if seen[tk] else np.float32(-np.inf)
+        row[tk] = _capped(row[tk] * scale, softcap) if seen[tk] else np.float32(-np.inf)
         tile_max = max(tile_max, row[tk])
     if tile_max == -np.inf:
         row[:] = 0
@@ -386,31 +411,39 @@ def _tile_softmax(row, seen, scale, tq, m, s_sum, vkq):
             vkq[tq, d] = vkq[tq, d] * ms
         s_sum[tq] = s_sum[tq] * ms
     m[tq] = m_new
-    for tk in range(0, KV_TILE, 16):
-        v_expf_rows(row, tk, m_new)
-    total = 0.0  # ggml_vec_soft_max_f32: a double sum of 16-lane reductions
-    for at in range(0, KV_TILE, 16):
-        total += np.float64(_reduce16(row, at))
+    total = 0.0  # ggml_vec_soft_max_f32: a double sum of SIMD-width reductions
+    if GGML_AVX512:
+        for tk in range(0, KV_TILE, 16):
+            v_expf_rows(row, tk, m_new)
+        for at in range(0, KV_TILE, 16):
+            total += np.float64(_reduce16(row, at))
+    else:
+        for tk in range(KV_TILE):
+            row[tk] = v_expf_avx2(row[tk] - m_new)
+        for at in range(0, KV_TILE, 8):
+            total += np.float64(_reduce8(row, at))
     s_sum[tq] = np.float32(np.float64(s_sum[tq]) + total)
 
 
 @nb.njit(**_SER)
-def attention(q, q_pos, kcache, vcache, kv_pos, n_keep, window, scale, n_heads, out):
+def attention(q, q_pos, kcache, vcache, kv_pos, n_keep, window, scale, softcap, n_heads, out):
     """out (T, H*D): attention of q (positions q_pos, ascending) over the cache, by the path
     ggml would take."""
     n_cells = (q_pos[-1] + KV_PAD) // KV_PAD * KV_PAD  # llama.cpp's cells: positions so far, padded
+    if softcap != 0:  # as ggml: the scale is divided by the cap, the capped score multiplied
+        scale = np.float32(scale / softcap)
     T = q.shape[0]
     if T >= Q_TILE:
-        _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, out)
+        _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, softcap, n_heads, out)
     elif T == 1 and n_cells >= SPLIT_MIN_CELLS:
-        _attend_split(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads,
+        _attend_split(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, softcap, n_heads,
                       SPLIT_PARTS, out)
     else:
-        _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, n_heads, out)
+        _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, softcap, n_heads, out)
 
 
 @nb.njit(**_PAR)
-def _row_runs(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, n_heads,
+def _row_runs(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, softcap, n_heads,
               n_parts, acc, m, s_sum):
     """attention_rows' passes: row t's cells in n_parts runs if a lone query at its position
     would be split (else one run over them all); acc (T, P, H, D), m and s_sum (T, P, H)."""
@@ -433,24 +466,26 @@ def _row_runs(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vcache,
         m_j = np.empty(G, np.float32)
         s_j = np.empty(G, np.float32)
         _one_chunk(_queries_f16(q, t, h0, G, D), part * run, (part + 1) * run, pos, pos, n_keep, n_slots, kcache,
-                   vcache, kv_pos, tables[row_seq[t]], shift, h0 // group, window, scale, acc_j, m_j, s_j)
+                   vcache, kv_pos, tables[row_seq[t]], shift, h0 // group, window, scale, softcap, acc_j, m_j, s_j)
         acc[t, part, h0:h0 + G] = acc_j
         m[t, part, h0:h0 + G] = m_j
         s_sum[t, part, h0:h0 + G] = s_j
 
 
 @nb.njit(**_SER)
-def attention_rows(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, n_heads,
+def attention_rows(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, softcap, n_heads,
                    out):
     """out (T, H*D): attention of each row of q over the cells of its own sequence (row_seq[t]),
     each row exactly as a lone query at its position (q_pos[t]) is computed by `attention`
     (split or one chunk), whatever the other rows: the batching scheduler's rows. The sequences'
     slots are rows of a shared pool, through block tables (n_seq, blocks) of 2^shift rows."""
     T, D = q.shape[0], kcache.shape[2]
+    if softcap != 0:
+        scale = np.float32(scale / softcap)
     acc = np.empty((T, SPLIT_PARTS, n_heads, D), np.float32)
     m = np.empty((T, SPLIT_PARTS, n_heads), np.float32)
     s_sum = np.empty((T, SPLIT_PARTS, n_heads), np.float32)
-    _row_runs(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, n_heads,
+    _row_runs(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, softcap, n_heads,
               SPLIT_PARTS, acc, m, s_sum)
     for t in range(T):
         n_cells = (q_pos[t] + KV_PAD) // KV_PAD * KV_PAD

@@ -60,6 +60,17 @@ def float32_from_bits(typingctx, bits):
 
 
 @intrinsic
+def float32_bits(typingctx, x):
+    """The int32 bits of the float32 x (a bitcast)."""
+    sig = types.int32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+@intrinsic
 def f16_bits(typingctx, x):
     """The float16 bit pattern (uint16) of float16(x), rounded to nearest even: one vcvtps2ph.
     What the KV cache stores (f16_value(f16_bits(x)) == f16_round(x))."""

@@ -8,6 +8,8 @@ quantized formats use data (and, but for the 32-block "lanes" formats whose scal
 data, scale/bias) with kind >= 0; float formats (F32/F16/BF16) use fweight, kind = -1 and
 float_format 0/1/2.
 """
+import math
+
 import numba as nb
 import numpy as np
 
@@ -167,7 +169,7 @@ NO_PAGING = (np.zeros(0, np.int64), np.zeros((0, 0), np.int64), -1, 0)
 
 
 @nb.njit(**_SER)
-def attend(q, k, v, positions, kv, window, scale, n_heads, n_kv_heads, head_dim):
+def attend(q, k, v, positions, kv, window, scale, softcap, n_heads, n_kv_heads, head_dim):
     """Store this batch's k/v at their slots, then attention of q over the cache."""
     kcache, vcache, kv_pos, slots, n_keep, paging = kv
     row_seq, tables, shift, n_slots = paging
@@ -176,9 +178,9 @@ def attend(q, k, v, positions, kv, window, scale, n_heads, n_kv_heads, head_dim)
         kv_pos[slots[i]] = positions[i]
     out = np.empty((q.shape[0], n_heads * head_dim), np.float32)
     if row_seq.shape[0] == 0:
-        attention(q, positions, kcache, vcache, kv_pos, n_keep, window, scale, n_heads, out)
+        attention(q, positions, kcache, vcache, kv_pos, n_keep, window, scale, softcap, n_heads, out)
     else:
-        attention_rows(q, positions, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale,
+        attention_rows(q, positions, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, softcap,
                        n_heads, out)
     return out
 
@@ -194,15 +196,32 @@ def head_norm(x, weight, eps, n_heads, head_dim):
 
 
 @nb.njit(**_SER)
-def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, n_heads, n_kv_heads,
+def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, softcap, n_heads, n_kv_heads,
                 head_dim, rope_dims, neox):
-    """RoPE on q and k (cos/sin rope_table), q *= q_scale, store k/v in the cache, attention."""
+    """RoPE on q and k (cos/sin rope_table), q *= q_scale, store k/v in the cache, attention
+    with scores scaled by kq_scale and soft-capped at softcap (0: not capped)."""
     cos, sin = rope_table
     ops.rope(q, n_heads, head_dim, rope_dims, cos, sin, neox)
     ops.rope(k, n_kv_heads, head_dim, rope_dims, cos, sin, neox)
     if q_scale != 1:
         q *= q_scale
-    return attend(q, k, v, positions, kv, window, kq_scale, n_heads, n_kv_heads, head_dim)
+    return attend(q, k, v, positions, kv, window, kq_scale, softcap, n_heads, n_kv_heads, head_dim)
+
+
+@nb.njit(**_SER)
+def add_bias(x, bias):
+    """x (T, N) + bias (N,) (ggml_add's broadcast); an empty bias: x as it is."""
+    if bias.size == 0:
+        return x
+    return x + bias
+
+
+@nb.njit(**_SER)
+def scaled(x, s):
+    """x * s (ggml_scale); s == 1: x as it is."""
+    if s == 1:
+        return x
+    return x * np.float32(s)
 
 
 @nb.njit(**_SER)
@@ -221,4 +240,14 @@ def swiglu(gate, up):
 def geglu(gate, up):
     out = np.empty_like(gate)
     ops.geglu(gate, up, out)
+    return out
+
+
+@nb.njit(**_SER)
+def tanh_capped(x, inv_cap, cap):
+    """Soft-capping as ggml computes it: ggml_scale by 1/cap, ggml_tanh (tanhf), ggml_scale by cap."""
+    out = np.empty_like(x)
+    flat, res = x.reshape(-1), out.reshape(-1)
+    for i in range(flat.size):
+        res[i] = np.float32(math.tanh(flat[i] * inv_cap)) * cap
     return out

@@ -8,8 +8,9 @@ import math
 
 import numba as nb
 import numpy as np
+from llvmlite import binding as llvm_binding
 
-from .f16 import f16_bits, f16_round, float32_from_bits
+from .f16 import f16_bits, f16_round, float32_bits, float32_from_bits
 from .fma import fma
 from .unpack import F16_TO_F32
 
@@ -55,16 +56,54 @@ def rmsnorm(x, weight, eps, out):
             _rmsnorm_row(x, i, weight, eps, out)
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def _yarn_ramp(low, high, i0):
+    """ggml's rope_yarn_ramp: 1 below the low correction dim, 0 above the high one."""
+    y = np.float32(np.float32(np.float32(i0 // 2) - low) / max(np.float32(0.001), np.float32(high - low)))
+    return np.float32(np.float32(1.0) - min(np.float32(1.0), max(np.float32(0.0), y)))
+
+
 @nb.njit(**_SER)
-def rope_angles(positions, n_dims, freq_base, freq_scale, cos_out, sin_out):
-    """cos/sin (T, n_dims/2) as ggml_rope_cache_init: theta multiplied by theta_scale per pair in f32."""
+def yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow):
+    """ggml_rope_yarn_corr_dims: the first and last dims YaRN blends (float32, as ggml)."""
+    two_pi = np.float32(2.0) * np.float32(math.pi)
+    denom = np.float32(2.0) * np.float32(math.log(np.float32(freq_base)))
+    lo = np.float32(n_dims) * np.float32(math.log(np.float32(n_ctx_orig) / (np.float32(beta_fast) * two_pi))) / denom
+    hi = np.float32(n_dims) * np.float32(math.log(np.float32(n_ctx_orig) / (np.float32(beta_slow) * two_pi))) / denom
+    return max(np.float32(0.0), np.float32(math.floor(lo))), min(np.float32(n_dims - 1), np.float32(math.ceil(hi)))
+
+
+@nb.njit(**_SER)
+def yarn_attn_factor(freq_scale):
+    """llama_context's yarn_attn_factor for YaRN at freq_scale (float32, fused as compiled):
+    get_mscale(1/freq_scale, 1) times 1/(1 + 0.1 log(1/freq_scale))."""
+    factor = np.float32(1.0) / np.float32(freq_scale)
+    log_f = np.float32(math.log(factor))
+    mscale = fma(np.float32(0.1), log_f, np.float32(1.0)) if factor > 1 else np.float32(1.0)
+    return mscale * (np.float32(1.0) / fma(np.float32(0.1), log_f, np.float32(1.0)))
+
+
+@nb.njit(**_SER)
+def rope_angles(positions, n_dims, freq_base, freq_scale, factors, ext_factor, corr_low, corr_high, mscale,
+                cos_out, sin_out):
+    """cos/sin (T, n_dims/2) as ggml_rope_cache_init with rope_yarn: theta multiplied by
+    theta_scale per pair in f32, divided by the pair's frequency factor (factors (n_dims/2,),
+    or empty: none), interpolated by freq_scale, blended with YaRN's ramp where ext_factor is
+    not 0, and both scaled by mscale (the attention factor)."""
     theta_scale = np.float32(np.float32(freq_base) ** np.float32(-2.0 / n_dims))
+    m = np.float32(mscale)
+    if ext_factor != 0:  # YaRN's magnitude correction (fused: 1 + 0.1 * log(1/scale))
+        m = m * fma(np.float32(0.1), np.float32(math.log(np.float32(1.0) / freq_scale)), np.float32(1.0))
     for t in range(positions.shape[0]):
         theta = np.float32(positions[t])
         for i in range(n_dims // 2):
-            angle = np.float32(freq_scale) * theta
-            cos_out[t, i] = np.float32(math.cos(angle))
-            sin_out[t, i] = np.float32(math.sin(angle))
+            extrap = np.float32(theta / factors[i]) if factors.size else theta
+            angle = np.float32(np.float32(freq_scale) * extrap)
+            if ext_factor != 0:
+                mix = np.float32(_yarn_ramp(corr_low, corr_high, 2 * i) * np.float32(ext_factor))
+                angle = fma(angle, np.float32(np.float32(1.0) - mix), np.float32(extrap * mix))
+            cos_out[t, i] = np.float32(math.cos(angle)) * m
+            sin_out[t, i] = np.float32(math.sin(angle)) * m
             theta = np.float32(theta * theta_scale)
 
 
@@ -99,9 +138,48 @@ _EXP_C4 = np.float32(float.fromhex("0x1.573e2ep-5"))
 _EXP_C5 = np.float32(float.fromhex("0x1.0e4020p-7"))
 
 
+# ggml's vector code follows the CPU it is built for: AVX-512 (16 lanes, its own ggml_v_expf)
+# or AVX2 (8 lanes, another ggml_v_expf that rounds differently). minillm computes as llama.cpp
+# built for this CPU does. (Numba's cache is kept per CPU: these constants match cached code.)
+_HOST = llvm_binding.get_host_cpu_features()
+GGML_AVX512 = bool(_HOST.get("avx512f", False) and _HOST.get("avx512dq", False))
+SIMD_WIDTH = 16 if GGML_AVX512 else 8  # float32 lanes of ggml's vector loops
+
+_AVX2_ONE_BITS = 0x3F800000          # the bits of 1.0f
+_AVX2_SPECIAL_NEG = -0x7E000000      # 0x82000000 as int32
+
+
 @nb.njit(inline="always", cache=True, nogil=True)
 def v_expf(x):
-    """ggml_v_expf, one lane of the AVX-512 version (the vectorized exp of ggml's SiLU)."""
+    """ggml_v_expf, one lane, as ggml is built for this CPU (the exp of its SiLU and softmax)."""
+    if GGML_AVX512:
+        return v_expf_avx512(x)
+    return v_expf_avx2(x)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def v_expf_avx2(x):
+    """One lane of ggml_v_expf's AVX2 version: 2^n built in the exponent bits of z, the
+    polynomial without its constant term, then fma(j, 2^n, 2^n); |n| > 126 through two
+    factors. Branch-free (selects), so that loops over it vectorize."""
+    z = fma(x, _LOG2E, _EXP_ROUND)
+    n = z - _EXP_ROUND
+    b = fma(-n, _LN2_LO, fma(-n, _LN2_HI, x))
+    e = np.int32(np.int64(float32_bits(z)) << 23)
+    k = float32_from_bits(np.int32(np.int64(e) + _AVX2_ONE_BITS))
+    u = b * b
+    j = fma(fma(fma(_EXP_C5, b, _EXP_C4), u, fma(_EXP_C3, b, _EXP_C2)), u, _EXP_C1 * b)
+    g = np.int32(_AVX2_SPECIAL_NEG) if n <= 0 else np.int32(0)
+    s1 = float32_from_bits(np.int32(np.int64(g) + 0x7F000000))
+    s2 = float32_from_bits(np.int32(np.int64(e) - np.int64(g)))
+    an = abs(n)
+    special = s1 * s1 if an > np.float32(192.0) else fma(s2, j, s2) * s1
+    return special if an > np.float32(126.0) else fma(j, k, k)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def v_expf_avx512(x):
+    """ggml_v_expf, one lane of the AVX-512 version."""
     z = fma(x, _LOG2E, _EXP_ROUND)
     n = z - _EXP_ROUND
     b = fma(-n, _LN2_LO, fma(-n, _LN2_HI, x))
@@ -117,9 +195,9 @@ def v_expf(x):
 
 @nb.njit(inline="always", cache=True, nogil=True)
 def _swiglu_row(gate, up, t, out):
-    # ggml_vec_swiglu_f32: 16 at a time with ggml_v_expf, the rest with libm's expf
+    # ggml_vec_swiglu_f32: SIMD_WIDTH at a time with ggml_v_expf, the rest with libm's expf
     n = gate.shape[1]
-    n16 = n - n % 16
+    n16 = n - n % SIMD_WIDTH
     for j in range(n16):
         g = gate[t, j]
         out[t, j] = (g / (np.float32(1.0) + v_expf(np.float32(0.0) - g))) * up[t, j]

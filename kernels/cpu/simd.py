@@ -278,3 +278,32 @@ def dot_f16_64(typingctx, a, a_off, b, b_off, n64):
         return builder.fadd(builder.fadd(lane(0), lane(2)), builder.fadd(lane(1), lane(3)))
 
     return sig, codegen
+
+
+@intrinsic
+def dot_f16_32(typingctx, a, a_off, b, b_off, n32):
+    """ggml_vec_dot_f16 as ggml builds it for AVX2 (8-lane registers) over the first n32 (a
+    multiple of 32) values: 4 accumulators of 8 lanes, fma over steps of 32, summed (0 + 2) +
+    (1 + 3), the two halves of the 8 lanes added, then two hadds: (0 + 1) + (2 + 3). Here the
+    four 8-lane accumulators are two 16-lane vectors (elements 0-15 and 16-31 of each step)."""
+    sig = types.float32(a, types.intp, b, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        a_a, a_o, b_a, b_o, n32 = args
+        c = lambda v: ir.Constant(a_o.type, v)  # noqa: E731
+
+        def body(i, carried):
+            at = builder.mul(i, c(32))
+            return [_fma(builder,
+                         _load_f32x16(context, builder, signature.args[0], a_a, builder.add(a_o, builder.add(at, c(16 * k)))),
+                         _load_f32x16(context, builder, signature.args[2], b_a, builder.add(b_o, builder.add(at, c(16 * k)))),
+                         acc)
+                    for k, acc in enumerate(carried)]
+
+        n_steps = builder.sdiv(n32, c(32))
+        lo, hi = _loop(builder, n_steps, [ir.Constant(_F32X16, None)] * 2, body)
+        s4 = _halve(builder, _halve(builder, builder.fadd(lo, hi), 8), 4)  # (0+2)+(1+3), 128-bit halves
+        lane = lambda j: builder.extract_element(s4, ir.Constant(_I32, j))  # noqa: E731
+        return builder.fadd(builder.fadd(lane(0), lane(1)), builder.fadd(lane(2), lane(3)))
+
+    return sig, codegen

@@ -5,10 +5,15 @@ Each architecture is one small module defining a subclass of `base.Transformer`.
 from __future__ import annotations
 
 from ..errors import ModelError
+from .gemma2 import Gemma2
 from .gemma3 import Gemma3
+from .granite import Granite
 from .llama import Llama
+from .phi3 import Phi3
+from .qwen2 import Qwen2
+from .qwen3 import Qwen3
 
-ARCHITECTURES = {cls.name: cls for cls in (Llama, Gemma3)}
+ARCHITECTURES = {cls.name: cls for cls in (Llama, Qwen2, Qwen3, Phi3, Granite, Gemma2, Gemma3)}
 
 
 def get_architecture(name: str | None):

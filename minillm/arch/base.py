@@ -1,7 +1,7 @@
 """What every decoder-only architecture shares: metadata checks, weights, the forward loop."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -12,9 +12,44 @@ from ..kernels.cpu.layers import NO_PAGING, linear
 from ..kernels.cpu.unpack import dequantize
 from ..weights import Matrix, row_by_row
 
+NO_VECTOR = np.zeros(0, np.float32)  # an optional vector (a bias, a norm) the file lacks
 MAX_LAYERS = 512
 MAX_WIDTH = 1 << 16
 MAX_HEADS = 1024
+
+
+# The keys of an architecture's namespace that every module reads (or knows to change nothing).
+# A key outside these and the module's own `handled_keys` may change the arithmetic: refused.
+COMMON_KEYS = frozenset({
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "rope.dimension_count", "rope.freq_base",
+    "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear", "rope.scaling.original_context_length",
+    "rope.scaling.attn_factor", "rope.scaling.finetuned",
+})
+# keys that are harmless at these values (a mixture of experts, a non-causal encoder: refused)
+NEUTRAL_VALUES = {"expert_count": 0, "expert_used_count": 0, "attention.causal": True, "pooling_type": 0}
+ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # llama.cpp's defaults (these architectures read no keys)
+
+
+@dataclass
+class RopeScaling:
+    """llama.cpp's RoPE parameters for the file (ggml_rope_ext's freq_scale, ext_factor,
+    attn_factor, corr dims) and the frequency factors, if the file has them."""
+    kind: str = "linear"
+    freq_scale: float = 1.0
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    n_ctx_orig: int = 0  # YaRN's correction dims and LongRoPE's choice are relative to it
+    factors: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (rope_dims/2,)
+    factors_long: np.ndarray | None = None  # LongRoPE: instead of factors for contexts over n_ctx_orig
+
+    def factors_for(self, n_ctx: int) -> np.ndarray:
+        """The frequency factors llama.cpp picks for a context of n_ctx positions a sequence."""
+        if self.factors_long is not None and n_ctx > self.n_ctx_orig:
+            return self.factors_long
+        return self.factors
 
 
 @dataclass
@@ -30,6 +65,11 @@ class HParams:
     rms_eps: float
     rope_base: float
     rope_dims: int
+
+
+def inv_sqrt(n: float) -> float:
+    """1.0f/sqrtf(n) in float32, as llama.cpp computes attention scales."""
+    return float(np.float32(1.0) / np.sqrt(np.float32(n)))
 
 
 class Metadata:
@@ -61,6 +101,23 @@ class Metadata:
             raise ModelError(f"metadata '{full}' = {value!r} is out of range [{lo}, {hi}]")
         return float(value)
 
+    def str(self, key: str, choices: tuple[str, ...], default=None) -> str:
+        full, value = self._get(key, default)
+        if value not in choices:
+            raise ModelError(f"metadata '{full}' = {value!r} is not supported (supported: {', '.join(choices)})")
+        return value
+
+    def bool(self, key: str, default=None) -> bool:
+        full, value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise ModelError(f"metadata '{full}' = {value!r} is not true or false")
+        return value
+
+    def keys(self) -> list[str]:
+        """The architecture's own keys present in the file, without the prefix."""
+        prefix = self.arch + "."
+        return [k[len(prefix):] for k in self.gguf.metadata if k.startswith(prefix)]
+
 
 class Transformer:
     """A decoder-only transformer; subclasses define the hyper-parameters and one layer."""
@@ -71,10 +128,15 @@ class Transformer:
     layer_order = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate",
                    "ffn_up", "ffn_down")
 
+    # the module's own keys beyond COMMON_KEYS
+    handled_keys: frozenset = frozenset()
+
     def __init__(self, gguf: GGUFFile):
         self.gguf = gguf
         self.meta = Metadata(gguf, self.name)
+        self.check_keys()
         self.hp = self.read_hparams()
+        self.rope = self.read_rope_scaling()
         self.check_tensors()
 
     # -- hyper-parameters and tensors ------------------------------------------------
@@ -105,6 +167,57 @@ class Transformer:
             rope_dims=m.int("rope.dimension_count", 2, head_dim, default=head_dim),
         )
 
+    def check_keys(self) -> None:
+        """Refuse a key of the architecture's namespace that this module does not compute."""
+        for key in self.meta.keys():
+            if key in COMMON_KEYS or key in self.handled_keys:
+                continue
+            if key in NEUTRAL_VALUES and self.gguf.metadata[f"{self.name}.{key}"] == NEUTRAL_VALUES[key]:
+                continue
+            raise ModelError(f"metadata '{self.name}.{key}' asks for arithmetic that minillm's {self.name} "
+                             f"module does not implement: refusing rather than computing something else")
+
+    def read_rope_scaling(self) -> RopeScaling:
+        """The rope scaling keys and factor tensors, as llama.cpp b11434 turns them into
+        ggml_rope_ext's parameters (llama_context's yarn_attn_factor included)."""
+        m, hp = self.meta, self.hp
+        kind = m.str("rope.scaling.type", ROPE_SCALING_TYPES, default="linear")
+        factor = m.float("rope.scaling.factor", 0.0, 1e6, default=m.float("rope.scale_linear", 0.0, 1e6, default=0.0))
+        freq_scale = 1.0 if factor == 0 or kind == "none" else float(np.float32(1.0) / np.float32(factor))
+        n_ctx_orig = m.int("rope.scaling.original_context_length", 1, 1 << 24, default=hp.n_ctx_train)
+        rope = RopeScaling(kind, freq_scale, 1.0 if kind == "yarn" else 0.0, 1.0, n_ctx_orig)
+        if rope.ext_factor:
+            rope.attn_factor = float(ops.yarn_attn_factor(np.float32(freq_scale)))
+        rope.attn_factor = float(np.float32(rope.attn_factor) * np.float32(
+            m.float("rope.scaling.attn_factor", 0.0, 1e6, default=1.0)))
+        self.rope_factor_tensors = self.rope_factor_names(kind)
+        present = [name for name in self.rope_factor_tensors if name in self.gguf.tensors]
+        if "rope_freqs.weight" in present:
+            rope.factors = self.factor_vector("rope_freqs.weight")
+        elif present:  # LongRoPE: both sets
+            rope.factors = self.factor_vector("rope_factors_short.weight")
+            rope.factors_long = self.factor_vector("rope_factors_long.weight")
+        return rope
+
+    def rope_factor_names(self, kind: str) -> tuple[str, ...]:
+        """The frequency-factor tensors the module applies for this rope scaling type (others
+        in the file are refused by check_tensors)."""
+        return ()
+
+    def factor_vector(self, name: str) -> np.ndarray:
+        """A (rope_dims/2,) float32 vector of rope frequency factors, checked."""
+        info = self.gguf.tensors.get(name)
+        half = self.hp.rope_dims // 2
+        if info is None:
+            raise ModelError(f"missing tensor '{name}' (the file has the other LongRoPE factors)")
+        if info.shape != (half,) or info.format.name != "F32":
+            raise ModelError(f"tensor '{name}' must be F32 of shape [{half}], not {info.format.name} "
+                             f"{list(info.shape)}")
+        factors = self.vector(name).copy()
+        if not np.all(np.isfinite(factors)) or np.any(factors <= 0):
+            raise ModelError(f"tensor '{name}' holds factors that are not positive numbers")
+        return factors
+
     def layer_tensors(self, il: int) -> dict[str, tuple[int, ...]]:
         """Tensor name suffix -> expected GGUF shape for layer il."""
         hp = self.hp
@@ -115,18 +228,40 @@ class Transformer:
             "ffn_down": (F, E),
         }
 
-    def check_tensors(self) -> None:
+    def optional_layer_tensors(self, il: int) -> dict[str, tuple[int, ...]]:
+        """Tensors a layer may have (full names after 'blk.N.', e.g. 'attn_q.bias') -> shape."""
+        return {}
+
+    def global_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Tensors outside the layers that the file may have -> shape."""
         hp = self.hp
-        expected = {"token_embd.weight": (hp.n_embd, hp.n_vocab), "output_norm.weight": (hp.n_embd,)}
-        if "output.weight" in self.gguf.tensors:
-            expected["output.weight"] = (hp.n_embd, hp.n_vocab)
+        shapes = {"token_embd.weight": (hp.n_embd, hp.n_vocab), "output_norm.weight": (hp.n_embd,),
+                  "output.weight": (hp.n_embd, hp.n_vocab)}
+        shapes.update({name: (hp.rope_dims // 2,) for name in self.rope_factor_tensors})
+        return shapes
+
+    def check_tensors(self) -> None:
+        """Every tensor the module needs is there with its shape; every tensor there is one it
+        computes with (an unknown one would change the arithmetic: refused)."""
+        hp = self.hp
+        required = {"token_embd.weight", "output_norm.weight"}
+        expected = self.global_tensors()
         for il in range(hp.n_layer):
             for suffix, shape in self.layer_tensors(il).items():
                 expected[f"blk.{il}.{suffix}.weight"] = shape
+                required.add(f"blk.{il}.{suffix}.weight")
+            for suffix, shape in self.optional_layer_tensors(il).items():
+                expected[f"blk.{il}.{suffix}"] = shape
+        for name in self.gguf.tensors:
+            if name not in expected:
+                raise ModelError(f"tensor '{name}' is not one minillm's {self.name} module computes with: "
+                                 f"refusing rather than ignoring it")
         for name, shape in expected.items():
             info = self.gguf.tensors.get(name)
             if info is None:
-                raise ModelError(f"missing tensor '{name}' (the metadata says {hp.n_layer} layers)")
+                if name in required:
+                    raise ModelError(f"missing tensor '{name}' (the metadata says {hp.n_layer} layers)")
+                continue
             if info.shape != shape:
                 raise ModelError(f"tensor '{name}' has shape {list(info.shape)}, "
                                  f"but the metadata implies {list(shape)}")
@@ -139,12 +274,24 @@ class Transformer:
     def vector(self, name: str) -> np.ndarray:
         return self.gguf.read_rows(name, [0]).view(np.float32).reshape(-1)  # a 1-D tensor is one row
 
-    def matrix(self, name: str) -> Matrix:
+    def matrix(self, name: str, rows: tuple[int, int] | None = None) -> Matrix:
+        """The tensor's matrix, or rows [r0, r1) of it (a part of a fused tensor)."""
         info = self.gguf.tensors[name]
-        matrix = Matrix(name, info.format, self.gguf.raw(name), info.shape[1], info.shape[0],
-                        release=lambda r0, r1: self.gguf.release_pages(name, (r0, r1)))
+        r0, r1 = rows or (0, info.shape[1])
+        matrix = Matrix(name, info.format, self.gguf.raw(name)[r0:r1], r1 - r0, info.shape[0],
+                        release=lambda a, b: self.gguf.release_pages(name, (r0 + a, r0 + b)))
         self.gguf.release_pages(name)
         return matrix
+
+    def layer_sources(self, il: int) -> list:
+        """Where each entry of layer_order comes from: (tensor name, row range or None), or
+        None for an optional vector the file lacks (the layer gets an empty one). An entry is a
+        tensor name after 'blk.N.', '.weight' understood unless it names its own suffix."""
+        sources = []
+        for entry in self.layer_order:
+            name = f"blk.{il}.{entry}" if "." in entry else f"blk.{il}.{entry}.weight"
+            sources.append((name, None) if name in self.gguf.tensors else None)
+        return sources
 
     def load_weights(self, progress=None) -> None:
         hp = self.hp
@@ -153,11 +300,14 @@ class Transformer:
         self.output = self.matrix(name)
         self.layers = []  # per layer: a tuple in layer_order (vectors, and Matrix.packed tuples)
         for il in range(hp.n_layer):
-            shapes = self.layer_tensors(il)
             layer = []
-            for suffix in self.layer_order:
-                full = f"blk.{il}.{suffix}.weight"
-                layer.append(self.vector(full) if len(shapes[suffix]) == 1 else self.matrix(full).packed)
+            for source in self.layer_sources(il):
+                if source is None:
+                    layer.append(NO_VECTOR)
+                    continue
+                name, rows = source
+                one_d = len(self.gguf.tensors[name].shape) == 1
+                layer.append(self.vector(name) if one_d else self.matrix(name, rows).packed)
             self.layers.append(tuple(layer))
             if progress:
                 progress(il + 1, hp.n_layer)
@@ -187,19 +337,20 @@ class Transformer:
             kc, vc, group, slots = cache.layer(il)
             return kc, vc, group.kv_pos, slots, group.n_keep, NO_PAGING
 
-        x = self.run_layers(ids, positions, kv_of, out_from, self.layers)
+        x = self.run_layers(ids, positions, kv_of, out_from, self.layers, cache.n_ctx)
         cache.commit(len(ids))
         return self.output_logits(x[logits_from - out_from:], self.output.packed)
 
-    def forward_rows(self, ids: np.ndarray, positions: np.ndarray, kv_of, out_from: int) -> np.ndarray:
+    def forward_rows(self, ids: np.ndarray, positions: np.ndarray, kv_of, out_from: int, n_ctx: int) -> np.ndarray:
         """The batching scheduler's forward: rows of several sequences (ids, positions (T,)),
         each computed exactly as if it were evaluated alone, one token at a time (one kernel
         path per row, whatever the other rows). kv_of(il): layer il's kv tuple over the shared
-        pool (minillm/kv_pool.py). Logits (T - out_from, V) of the rows from out_from on."""
+        pool (minillm/kv_pool.py); n_ctx: the positions each sequence may hold. Logits
+        (T - out_from, V) of the rows from out_from on."""
         if self.row_layers is None:
             self.row_layers = [tuple(row_by_row(w) if isinstance(w, tuple) else w for w in layer)
                                for layer in self.layers]
-        x = self.run_layers(ids, positions, kv_of, out_from, self.row_layers)
+        x = self.run_layers(ids, positions, kv_of, out_from, self.row_layers, n_ctx)
         return self.output_logits(x, row_by_row(self.output.packed))
 
     def forward_each_alone(self, ids: np.ndarray, cache) -> np.ndarray:
@@ -212,16 +363,16 @@ class Transformer:
             kc, vc, group, slots = cache.layer(il)
             return kc, vc, group.kv_pos, slots, group.n_keep, cache.paging(il, len(ids))
 
-        logits = self.forward_rows(ids, positions, kv_of, 0)
+        logits = self.forward_rows(ids, positions, kv_of, 0, cache.n_ctx)
         cache.commit(len(ids))
         return logits
 
     row_layers = None  # self.layers with every product computed row by row (forward_rows)
 
-    def run_layers(self, ids, positions, kv_of, out_from, layers) -> np.ndarray:
+    def run_layers(self, ids, positions, kv_of, out_from, layers, n_ctx) -> np.ndarray:
         """The hidden states (T - out_from, E) after every layer."""
         x = self.embed(ids)
-        tables = self.rope_tables(positions)
+        tables = self.rope_tables(positions, n_ctx)
         last = len(layers) - 1
         for il, layer in enumerate(layers):
             x = self.layer_function(x, layer, positions, kv_of(il), out_from if il == last else 0,
@@ -262,10 +413,20 @@ class Transformer:
         """The layer function's arguments after (x, w, positions, kv): the rope table, ..."""
         raise NotImplementedError
 
-    def rope_table(self, positions: np.ndarray, base: float, scale: float = 1.0):
-        """(cos, sin) (T, rope_dims/2) for the batch, as ggml's rope cache computes them."""
-        half = self.hp.rope_dims // 2
-        cos_t = np.empty((len(positions), half), np.float32)
-        sin_t = np.empty((len(positions), half), np.float32)
-        ops.rope_angles(positions, self.hp.rope_dims, np.float32(base), np.float32(scale), cos_t, sin_t)
+    def rope_tables(self, positions: np.ndarray, n_ctx: int):
+        """The rope tables layer_args hands the layers, for a context of n_ctx positions."""
+        return self.rope_table(positions, self.hp.rope_base, n_ctx)
+
+    def rope_table(self, positions: np.ndarray, base: float, n_ctx: int, freq_scale: float | None = None):
+        """(cos, sin) (T, rope_dims/2) for the batch, as ggml's rope cache computes them with the
+        file's scaling (freq_scale: the file's unless given)."""
+        rope, dims = self.rope, self.hp.rope_dims
+        scale = np.float32(rope.freq_scale if freq_scale is None else freq_scale)
+        low = high = np.float32(0.0)
+        if rope.ext_factor:
+            low, high = ops.yarn_corr_dims(dims, rope.n_ctx_orig, np.float32(base), YARN_BETA_FAST, YARN_BETA_SLOW)
+        cos_t = np.empty((len(positions), dims // 2), np.float32)
+        sin_t = np.empty((len(positions), dims // 2), np.float32)
+        ops.rope_angles(positions, dims, np.float32(base), scale, rope.factors_for(n_ctx), np.float32(rope.ext_factor),
+                        low, high, np.float32(rope.attn_factor), cos_t, sin_t)
         return cos_t, sin_t

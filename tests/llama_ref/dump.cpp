@@ -54,6 +54,19 @@ int main(int argc, char ** argv) {
         if (llama_decode(ctx, b1)) { fprintf(stderr, "decode failed\n"); return 1; }
         fwrite(llama_get_logits_ith(ctx, -1), 4, n_vocab, lg);
     }
+    // DUMP_GREEDY=n: then n greedy tokens (argmax of the last logits), ids to OUT_FILE.greedy
+    const int n_greedy = getenv("DUMP_GREEDY") ? atoi(getenv("DUMP_GREEDY")) : 0;
+    FILE * gr = n_greedy > 0 ? fopen((std::string(argv[3]) + ".greedy").c_str(), "w") : nullptr;
+    for (int i = 0; i < n_greedy; i++) {
+        const float * row = llama_get_logits_ith(ctx, -1);
+        llama_token best = 0;
+        for (int t = 1; t < n_vocab; t++) if (row[t] > row[best]) best = t;
+        fprintf(gr, "%d\n", best);
+        g_eval++;
+        llama_batch b1 = llama_batch_get_one(&best, 1);
+        if (llama_decode(ctx, b1)) { fprintf(stderr, "decode failed\n"); return 1; }
+    }
+    if (gr) fclose(gr);
     fclose(lg); fclose(g_out);
     return 0;
 }

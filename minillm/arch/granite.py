@@ -1,0 +1,33 @@
+"""Granite 3.x (dense): the Llama layer with Granite's multipliers: the embeddings scaled, each
+residual branch scaled, an attention scale of its own, the logits divided by a logit scale."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ModelError
+from .llama import Llama
+
+
+class Granite(Llama):
+    name = "granite"
+    handled_keys = frozenset({"attention.scale", "logit_scale", "residual_scale", "embedding_scale"})
+
+    def read_hparams(self):
+        hp = super().read_hparams()
+        m = self.meta
+        self.logit_scale = m.float("logit_scale", 1e-6, 1e6)
+        self.residual_scale = m.float("residual_scale", 0.0, 1e6, default=0.0) or 1.0
+        self.embedding_scale = m.float("embedding_scale", 0.0, 1e6, default=0.0) or 1.0
+        if not m.bool("rope.scaling.finetuned", default=True):  # llama.cpp: no RoPE at all
+            raise ModelError(f"metadata '{self.name}.rope.scaling.finetuned' = false (a Granite without "
+                             "RoPE) is not supported")
+        return hp
+
+    def embed(self, ids):
+        return super().embed(ids) * np.float32(self.embedding_scale)
+
+    def layer_args(self, il, tables):
+        return super().layer_args(il, tables)[:-1] + (np.float32(self.residual_scale),)
+
+    def finish_logits(self, logits):
+        return logits * (np.float32(1.0) / np.float32(self.logit_scale))

@@ -1,0 +1,60 @@
+"""Small models of every architecture, each with the features its module must get right, and the
+token sequences llama.cpp was run on (tests/llama_ref/record_archs.py records its logits into
+tests/data/arch_reference.npz; test_architectures.py compares). The files are regenerated from
+their seeds, byte for byte the ones llama.cpp read (the recorded sha256 says so)."""
+from __future__ import annotations
+
+import numpy as np
+
+from synthetic import SyntheticModel
+
+N_PROMPT = 70    # one batch of 70 tokens (ggml's tiled attention from 64), then
+N_DECODE = 10    # 10 single tokens (its one-chunk attention); greedy after the prompt alone:
+N_GREEDY = 8
+N_CTX = 128      # the context minillm evaluates with (LongRoPE picks its factors by it, as llama.cpp)
+
+
+def _llama3_factors(half: int) -> list[float]:
+    """Frequency factors shaped as Llama 3.1's: 1 for the fast pairs, up to 8 for the slow ones."""
+    return [float(f) for f in np.linspace(1.0, 8.0, half) ** 1.5 / 8.0 ** 0.5]
+
+
+def _longrope(half: int, seed: int) -> list[float]:
+    return [float(f) for f in 1.0 + np.random.default_rng(seed).random(half) * 3.0]
+
+
+# name -> SyntheticModel arguments. Formats: those whose products are llama.cpp's (not yet: Q2_K,
+# Q3_K, Q5_K, and Q4_0, which llama.cpp repacks for its q4_0_8x8 kernels), mixed per matrix.
+CASES = {
+    "llama-rope-freqs": dict(arch="llama", fmt="Q4_1", formats={"attn_v": "Q8_0"},
+                             extra_tensors={"rope_freqs.weight": _llama3_factors(32)}),
+    "llama-linear": dict(arch="llama", fmt="Q8_0", keys={"rope.scaling.type": "linear", "rope.scaling.factor": 4.0}),
+    "llama-yarn": dict(arch="llama", fmt="Q5_0",
+                       keys={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                             "rope.scaling.original_context_length": 256}),
+    "qwen2": dict(arch="qwen2", fmt="Q4_K", formats={"attn_v": "Q6_K", "ffn_down": "Q6_K"}),
+    "qwen3": dict(arch="qwen3", fmt="Q8_0", formats={"ffn_gate": "Q4_K", "ffn_up": "Q4_K"}),
+    "phi3": dict(arch="phi3", fmt="Q5_1", rope_dims=32, formats={"ffn_down": "Q8_0"},
+                 keys={"rope.scaling.original_context_length": 4096, "rope.scaling.attn_factor": 1.1902380714238083,
+                       "attention.sliding_window": 2047},
+                 extra_tensors={"rope_factors_long.weight": _longrope(16, 1),
+                                "rope_factors_short.weight": _longrope(16, 2)}),
+    "phi3-long": dict(arch="phi3", fmt="Q8_0", rope_dims=32,
+                      keys={"rope.scaling.original_context_length": 32, "rope.scaling.attn_factor": 1.1902380714238083},
+                      extra_tensors={"rope_factors_long.weight": _longrope(16, 3),
+                                     "rope_factors_short.weight": _longrope(16, 4)}),
+    "gemma2": dict(arch="gemma2", fmt="Q4_K", n_layer=3, formats={"ffn_down": "Q6_K"},
+                   keys={"attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "granite": dict(arch="granite", fmt="Q4_1",
+                    keys={"logit_scale": 8.0, "residual_scale": 0.22, "embedding_scale": 12.0,
+                          "attention.scale": 0.0078125}),
+}
+
+
+def build(name: str) -> SyntheticModel:
+    return SyntheticModel(seed=sum(map(ord, name)), vocab=True, **CASES[name]).build()
+
+
+def token_ids(name: str) -> np.ndarray:
+    """The N_PROMPT + N_DECODE token ids of the case (never the three special ids)."""
+    return np.random.default_rng(len(name)).integers(3, 300, N_PROMPT + N_DECODE)

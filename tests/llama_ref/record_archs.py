@@ -1,0 +1,52 @@
+"""Record llama.cpp's logits and greedy tokens on the small models of tests/arch_cases.py into
+tests/data/arch_reference.npz (run from the repository root, after build.sh):
+
+    python tests/llama_ref/record_archs.py /tmp/llama_ref
+
+Per case: the sha256 of the GGUF file, the logits after the prompt batch and after each single
+token (N_DECODE + 1, V), and N_GREEDY greedy tokens after the prompt alone."""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import arch_cases  # noqa: E402
+
+
+def dump(binary: Path, model: Path, ids, n_prompt: int, out: Path, greedy: int = 0) -> None:
+    (out.parent / "ids.txt").write_text(" ".join(map(str, ids)))
+    env = dict(os.environ, DUMP_EVALS="0", DUMP_GREEDY=str(greedy))
+    subprocess.run([str(binary), str(model), str(out.parent / "ids.txt"), str(out), str(n_prompt), "2"],
+                   env=env, check=True, capture_output=True)
+
+
+def main(workdir: str) -> None:
+    binary = Path(workdir) / "dump"
+    record = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in arch_cases.CASES:
+            path = arch_cases.build(name).write(Path(tmp) / f"{name}.gguf")
+            ids = arch_cases.token_ids(name)
+            dump(binary, path, ids, arch_cases.N_PROMPT, Path(tmp) / "out")
+            logits = np.fromfile(Path(tmp) / "out.logits", np.float32).reshape(arch_cases.N_DECODE + 1, -1)
+            dump(binary, path, ids[:arch_cases.N_PROMPT], arch_cases.N_PROMPT, Path(tmp) / "greedy",
+                 arch_cases.N_GREEDY)
+            greedy = np.loadtxt(Path(tmp) / "greedy.greedy", np.int64).reshape(-1)
+            record[f"{name}/sha256"] = np.array(hashlib.sha256(path.read_bytes()).hexdigest())
+            record[f"{name}/logits"] = logits
+            record[f"{name}/greedy"] = greedy
+            print(f"{name}: logits {logits.shape}, greedy {greedy.tolist()}")
+    out = Path(__file__).resolve().parent.parent / "data" / "arch_reference.npz"
+    np.savez_compressed(out, **record)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/llama_ref")
