@@ -15,6 +15,7 @@ import threading
 import numpy as np
 from numba import cuda
 
+from .arch.base import NO_VECTOR
 from .errors import ModelError
 from .kernels.cpu.matmul import KIND_IDS
 from .kernels.cpu.unpack import dequantize, unpack
@@ -101,7 +102,6 @@ class CudaBackend:
             raise ModelError(f"heads of {self.hp.head_dim} values are larger than the CUDA attention "
                              f"takes ({MAX_HEAD_DIM})")
         self.layer = arch.layer_with_ops(cuda_layers)
-        self.rope = _rope_parameters(arch)
         self.load_weights(progress)
 
     # -- weights ---------------------------------------------------------------------
@@ -113,20 +113,27 @@ class CudaBackend:
                                   else "token_embd.weight")                       # (V, E)
         self.layers = []  # per layer: a tuple in layer_order (device vectors, DeviceMatrix)
         for il in range(hp.n_layer):
-            shapes = arch.layer_tensors(il)
-            self.layers.append(tuple(
-                self.vector(f"blk.{il}.{suffix}.weight") if len(shapes[suffix]) == 1
-                else self.matrix(f"blk.{il}.{suffix}.weight") for suffix in arch.layer_order))
+            layer = []
+            for source in arch.layer_sources(il):
+                if source is None:  # an optional vector the file lacks: the layer sees it empty
+                    layer.append(NO_VECTOR)
+                    continue
+                name, rows = source
+                one_d = len(arch.gguf.tensors[name].shape) == 1
+                layer.append(self.vector(name) if one_d else self.matrix(name, rows))
+            self.layers.append(tuple(layer))
             if progress:
                 progress(il + 1, hp.n_layer)
 
     def vector(self, name: str):
         return cuda.to_device(np.ascontiguousarray(self.arch.vector(name)))
 
-    def matrix(self, name: str) -> DeviceMatrix:
+    def matrix(self, name: str, rows: tuple[int, int] | None = None) -> DeviceMatrix:
+        """The tensor's matrix on the device, or rows [r0, r1) of it (part of a fused tensor)."""
         gguf = self.arch.gguf
         info = gguf.tensors[name]
-        fmt, raw, n_cols = info.format, gguf.raw(name), info.shape[0]
+        r0, r1 = rows or (0, info.shape[1])
+        fmt, raw, n_cols = info.format, gguf.raw(name)[r0:r1], info.shape[0]
         if fmt.quantized and n_cols > MAX_K:
             raise ModelError(f"tensor '{name}': rows of {n_cols} values are longer than the CUDA "
                              f"kernels quantize ({MAX_K})")
@@ -158,10 +165,11 @@ class CudaBackend:
         positions = cache.reserve(len(ids))
         d_positions = pool.upload(positions)          # (T,) int64
         x = pool.upload(self.arch.embed(ids))         # (T, E) float32
+        tables = _upload_tables(self.arch.rope_tables(positions, cache.n_ctx))
+        kept = [d_positions, *cache.device_slots.values(), *_pairs(tables)]
         for il, weights in enumerate(self.layers):
-            x = self.layer(x, weights, d_positions, cache.device_kv(il), 0,
-                           *self.arch.layer_args(il, self.rope))
-            cuda_layers.recycle(keep=(x, d_positions, *cache.device_slots.values()))
+            x = self.layer(x, weights, d_positions, cache.device_kv(il), 0, *self.arch.layer_args(il, tables))
+            cuda_layers.recycle(keep=(x, *kept))
         cache.commit(len(ids))
         n_out = len(ids) - logits_from
         if n_out <= 0:
@@ -178,21 +186,17 @@ class CudaBackend:
             self.forward(np.zeros(n, np.int64), self.new_cache(n), n - 1)
 
 
-class _RopeParameters:
-    """Stands in for the architecture in its own rope_tables(): where the CPU computes cos/sin
-    tables it answers (freq_base, freq_scale), which the CUDA RoPE kernel takes."""
-
-    def __init__(self, arch):
-        self._arch = arch
-
-    def __getattr__(self, name):
-        return getattr(self._arch, name)
-
-    @staticmethod
-    def rope_table(positions, base: float, scale: float = 1.0) -> tuple[float, float]:
-        return float(base), float(scale)
+def _pairs(tables) -> list:
+    """The device arrays of rope tables: one (cos, sin) pair, or a dict of them."""
+    pairs = tables.values() if isinstance(tables, dict) else [tables]
+    return [array for pair in pairs for array in pair]
 
 
-def _rope_parameters(arch):
-    """arch.rope_tables(...) with (freq_base, freq_scale) pairs for tables (positions unused)."""
-    return type(arch).rope_tables(_RopeParameters(arch), None)
+def _upload_tables(tables):
+    """The architecture's rope tables ((cos, sin) host arrays, or a dict of such pairs) as pooled
+    device arrays, in the same structure: the CUDA RoPE kernel reads the CPU's angles."""
+    upload = cuda_layers.POOL.upload
+    if isinstance(tables, dict):
+        return {name: (upload(cos), upload(sin)) for name, (cos, sin) in tables.items()}
+    cos, sin = tables
+    return upload(cos), upload(sin)

@@ -69,6 +69,8 @@ def info(model: Path = ModelArg, as_json: bool = typer.Option(False, "--json", h
     for key, value in facts.items():
         if isinstance(value, dict):
             value = ", ".join(f"{k}: {v}" for k, v in value.items())
+        elif isinstance(value, list):
+            value = "; ".join(value) or "nothing beyond the architecture"
         table.add_row(key.replace("_", " "), str(value))
     Console().print(table)
 

@@ -5,6 +5,7 @@ from collections import Counter
 from pathlib import Path
 
 from .arch import ARCHITECTURES, get_architecture
+from .errors import ModelError
 from .gguf_file import GGUFFile
 
 
@@ -23,8 +24,16 @@ def describe(path: Path) -> dict:
             "n_params": sum(t.n_elements for t in g.tensors.values()),
             "tensor_types": dict(Counter(t.format.name for t in g.tensors.values()).most_common()),
         }
+        arch = None
         if facts["supported"]:
-            hp = get_architecture(arch_name)(g).hp  # validates metadata against the tensors
+            try:  # validates the metadata and tensors against what the module computes
+                arch = get_architecture(arch_name)(g)
+            except ModelError as e:
+                facts["supported"] = False
+                facts["unsupported"] = str(e)
+        if arch is not None:
+            hp = arch.hp
+            facts["needs"] = arch.features()
             facts.update({
                 "n_layer": hp.n_layer, "n_embd": hp.n_embd, "n_head": hp.n_head,
                 "n_head_kv": hp.n_head_kv, "head_dim": hp.head_dim, "n_ff": hp.n_ff,

@@ -31,10 +31,16 @@ def model_path(name: str) -> Path:
 
 
 def golden_rows(model: str) -> list[dict]:
-    """llama.cpp's greedy runs for a model (tests/data/greedy_<model>_dev.jsonl)."""
+    """llama.cpp's greedy runs for a model, as llama.cpp computes them on a CPU of this kind:
+    tests/data/greedy_<model>_dev.jsonl (the shared reference, from an AVX-512 machine) or, on
+    an AVX2 one, greedy_<model>_avx2.jsonl (the same prompts and protocol, recorded with
+    tests/llama_ref/record_greedy.py). ggml's AVX2 and AVX-512 builds round differently, and
+    minillm computes as the build for the CPU it runs on (kernels/cpu/ops.py GGML_AVX512)."""
     import json
 
-    with open(DATA / f"greedy_{model}_dev.jsonl") as f:
+    from minillm.kernels.cpu.ops import GGML_AVX512
+
+    with open(DATA / f"greedy_{model}_{'dev' if GGML_AVX512 else 'avx2'}.jsonl") as f:
         return [json.loads(line) for line in f]
 
 

@@ -10,9 +10,12 @@ import minillm
 from arch_cases import CASES, N_CTX, N_GREEDY, N_PROMPT, build, token_ids
 from conftest import DATA
 from minillm.generate import Session
+from minillm.kernels.cpu.ops import GGML_AVX512
 from minillm.sampling import SamplingParams
+from synthetic import SyntheticModel
 
 REFERENCE = np.load(DATA / "arch_reference.npz")
+HOST_BUILD = "avx512" if GGML_AVX512 else "avx2"
 
 
 def first_difference(ours: np.ndarray, ref: np.ndarray) -> str:
@@ -33,9 +36,66 @@ def test_logits_and_greedy_tokens_match_llama_cpp(tmp_path, name):
     rows = [model.eval(ids[:N_PROMPT], cache, logits_from=N_PROMPT - 1)[0]]
     rows += [model.eval(ids[t:t + 1], cache)[0] for t in range(N_PROMPT, len(ids))]
     ours, ref = np.stack(rows), REFERENCE[f"{name}/logits"]
+    if str(REFERENCE["ggml_build"]) != HOST_BUILD:
+        # ggml's AVX2 and AVX-512 builds round a few steps differently (docs/fidelity.md), and
+        # minillm computes as the build for this CPU: close to the other build, not equal
+        assert np.abs(ours - ref).max() < 0.1, first_difference(ours, ref)
+        return
     assert np.array_equal(ours, ref), first_difference(ours, ref)
 
     chunks = Session(model, n_ctx=N_CTX).generate(list(ids[:N_PROMPT]), N_GREEDY, SamplingParams(temperature=0),
                                                   ignore_eos=True)
     greedy = [c.token for c in chunks if c.token is not None]
     assert greedy == REFERENCE[f"{name}/greedy"].tolist()
+
+
+# ---- what a module does not compute is refused, by name ----------------------------------------
+
+def load_error(tmp_path, **model) -> str:
+    path = SyntheticModel(n_layer=1, n_embd=64, head_dim=16, n_ff=64, n_vocab=40, **model).build().write(
+        tmp_path / "m.gguf")
+    with pytest.raises(minillm.MinillmError) as e:
+        minillm.load(path)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("model,named", [
+    # a tensor the module has no use for: an FFN bias (llama), rope_freqs on Qwen2, LongRoPE without its type
+    (dict(arch="llama", extra_tensors={"blk.0.ffn_up.bias": [0.0] * 64}), "blk.0.ffn_up.bias"),
+    (dict(arch="qwen2", extra_tensors={"rope_freqs.weight": [1.0] * 8}), "rope_freqs.weight"),
+    (dict(arch="llama", extra_tensors={"rope_factors_long.weight": [1.0] * 8}), "rope_factors_long.weight"),
+    # keys that change the arithmetic and that the module does not read
+    (dict(arch="llama", keys={"attn_logit_softcapping": 50.0}), "llama.attn_logit_softcapping"),
+    (dict(arch="qwen2", keys={"attention.scale": 0.1}), "qwen2.attention.scale"),
+    (dict(arch="llama", keys={"expert_count": 8}), "llama.expert_count"),
+    (dict(arch="llama", keys={"rope.scaling.type": "su"}), "llama.rope.scaling.type"),
+    (dict(arch="granite", keys={"logit_scale": 2.0, "rope.scaling.finetuned": False}), "rope.scaling.finetuned"),
+    # a factor tensor of the wrong size, one LongRoPE set without the other
+    (dict(arch="llama", extra_tensors={"rope_freqs.weight": [1.0] * 4}), "rope_freqs.weight"),
+    (dict(arch="phi3", extra_tensors={"rope_factors_long.weight": [1.0] * 8}), "rope_factors_short.weight"),
+])
+def test_what_a_module_does_not_compute_is_refused_by_name(tmp_path, model, named):
+    assert named in load_error(tmp_path, fmt="F32", **model)
+
+
+def test_neutral_values_of_unhandled_keys_load(tmp_path):
+    keys = {"expert_count": 0, "attention.causal": True, "rope.scaling.finetuned": True, "vocab_size": 40}
+    path = SyntheticModel("llama", "F32", n_layer=1, n_embd=64, head_dim=16, n_ff=64, n_vocab=40,
+                          keys=keys).build().write(tmp_path / "m.gguf")
+    assert minillm.load(path).n_vocab == 40
+
+
+def test_info_shows_what_a_file_needs_and_what_is_refused(tmp_path):
+    from minillm.inspect import describe
+
+    path = build("phi3").write(tmp_path / "phi3.gguf")
+    facts = describe(path)
+    assert facts["supported"] and facts["architecture"] == "phi3"
+    assert "LongRoPE factors (long ones past 4096 positions)" in facts["needs"]
+    assert "RoPE on 32 of 64 head dims" in facts["needs"] and "fused q/k/v" in facts["needs"]
+    gemma2 = describe(build("gemma2").write(tmp_path / "gemma2.gguf"))
+    assert "attention soft-capping at 5" in gemma2["needs"] and "final logit soft-capping at 3" in gemma2["needs"]
+    bad = SyntheticModel("llama", "F32", n_layer=1, n_embd=64, head_dim=16, n_ff=64, n_vocab=40,
+                         keys={"attn_logit_softcapping": 50.0}).build().write(tmp_path / "bad.gguf")
+    facts = describe(bad)
+    assert facts["supported"] is False and "llama.attn_logit_softcapping" in facts["unsupported"]

@@ -187,8 +187,8 @@ def test_fmatmul_matches_cpu(fmt, T, path):
 # ---------------------------------------------------------------------------------------------
 # attention block ops
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("neox,n_dims", [(False, 16), (True, 16), (True, 8)])
-def test_rope_store_kv_matches_cpu(neox, n_dims):
+@pytest.mark.parametrize("neox,n_dims,yarn", [(False, 16, False), (True, 16, False), (True, 8, True)])
+def test_rope_store_kv_matches_cpu(neox, n_dims, yarn):
     rng = rng_for("rope", neox, n_dims)
     T, H, Hkv, D, S = 3, 4, 2, 16, 6
     positions = np.array([5, 6, 700], np.int64)
@@ -199,7 +199,11 @@ def test_rope_store_kv_matches_cpu(neox, n_dims):
 
     cos_t = np.empty((T, n_dims // 2), np.float32)
     sin_t = np.empty((T, n_dims // 2), np.float32)
-    cpu_ops.rope_angles(positions, n_dims, np.float32(10000.0), np.float32(0.5), cos_t, sin_t)
+    # the CPU's tables (with frequency factors and YaRN's blend in one case) feed both paths
+    factors = (1.0 + rng.random(n_dims // 2)).astype(np.float32) if yarn else np.zeros(0, np.float32)
+    low, high = cpu_ops.yarn_corr_dims(n_dims, 64, np.float32(10000.0), 32.0, 1.0)
+    cpu_ops.rope_angles(positions, n_dims, np.float32(10000.0), np.float32(0.5), factors, np.float32(yarn),
+                        low, high, np.float32(1.0), cos_t, sin_t)
     want_q, want_k = q.copy(), k.copy()
     cpu_ops.rope(want_q, H, D, n_dims, cos_t, sin_t, neox)
     cpu_ops.rope(want_k, Hkv, D, n_dims, cos_t, sin_t, neox)
@@ -212,7 +216,7 @@ def test_rope_store_kv_matches_cpu(neox, n_dims):
     vc = cuda.to_device(np.zeros((S, Hkv, D), np.float16))
     kv_pos = cuda.to_device(np.full(S, -1, np.int64))
     gpu.rope_store_kv(dq, dk, cuda.to_device(v), cuda.to_device(positions), cuda.to_device(slots), H, n_dims,
-                      10000.0, 0.5, neox, kc, vc, kv_pos)
+                      cuda.to_device(cos_t), cuda.to_device(sin_t), neox, kc, vc, kv_pos)
     assert_close(to_host(dq), want_q, 1e-6)
     assert_close(to_host(dk), want_k, 1e-6)
     np.testing.assert_allclose(to_host(kc).astype(np.float32), want_kc.view(np.float16).astype(np.float32),
@@ -242,11 +246,11 @@ def test_store_kv_without_rope_matches_cpu():
     np.testing.assert_array_equal(to_host(kv_pos), [4, -1, -1, -1, 3])
 
 
-@pytest.mark.parametrize("window", [0, 3, 5])
-def test_attention_matches_cpu(window):
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (3, 0.0), (5, 0.0), (0, 2.0)])
+def test_attention_matches_cpu(window, softcap):
     """GQA (4 query heads on 2 KV heads) over a wrapped ring (positions out of slot order), an
-    empty slot, causal + sliding window."""
-    rng = rng_for("attention", window)
+    empty slot, causal + sliding window, soft-capped scores (Gemma 2)."""
+    rng = rng_for("attention", window, softcap)
     T, H, Hkv, D, S = 2, 4, 2, 16, 40
     q = rng.standard_normal((T, H * D)).astype(np.float32)
     kc = rng.standard_normal((S, Hkv, D)).astype(np.float16)
@@ -258,11 +262,11 @@ def test_attention_matches_cpu(window):
     q_pos = np.array([74, 75], np.int64)
     want = np.empty((T, H * D), np.float32)
     cpu_attention(q, q_pos, kc.view(np.uint16), vc.view(np.uint16), kv_pos, 0, window,
-                  np.float32(scale), H, want)
+                  np.float32(scale), np.float32(softcap), H, want)
 
     out = cuda.device_array((T, H * D), np.float32)
     gpu.attention(cuda.to_device(q), cuda.to_device(q_pos), cuda.to_device(kc), cuda.to_device(vc),
-                  cuda.to_device(kv_pos), 0, window, scale, H, out)
+                  cuda.to_device(kv_pos), 0, window, scale, softcap, H, out)
     np.testing.assert_allclose(to_host(out), want, rtol=2e-3, atol=2e-3)
 
 

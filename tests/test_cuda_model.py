@@ -61,16 +61,24 @@ MODELS = {
 }
 
 
-class MixedFormatModel(SyntheticModel):
-    """A SyntheticModel whose matrices take the formats given by tensor name."""
+# the other architectures, each with what its module adds (keys, tensors), on TINY/SMALL_FORMATS
+ARCH_MODELS = {
+    "llama-rope-freqs-yarn": ("llama", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                                        "rope.scaling.original_context_length": 8},
+                              {"rope_freqs.weight": [1.0, 1.5, 2.0, 4.0, 1.0, 1.0, 3.0, 8.0]}, None),
+    "qwen2": ("qwen2", {}, {}, None),
+    "qwen3": ("qwen3", {}, {}, None),
+    "phi3": ("phi3", {"rope.scaling.original_context_length": 2, "rope.scaling.attn_factor": 1.2},
+             {"rope_factors_long.weight": [1.0, 2.0, 3.0, 4.0], "rope_factors_short.weight": [1.0, 1.0, 1.5, 2.0]}, 8),
+    "granite": ("granite", {"logit_scale": 4.0, "residual_scale": 0.5, "embedding_scale": 3.0,
+                            "attention.scale": 0.3}, {}, None),
+    "gemma2": ("gemma2", {"attn_logit_softcapping": 1.5, "final_logit_softcapping": 2.0}, {}, None),
+}
 
-    def __init__(self, arch: str, formats: dict[str, str], **dims):
-        super().__init__(arch, "Q8_0", n_layer=1, **dims)
-        self.formats = formats
 
-    def add(self, name, rows, cols, fmt=None):
-        suffix = name.split(".")[-2]  # blk.0.attn_q.weight -> attn_q
-        super().add(name, rows, cols, self.formats.get(suffix, fmt))
+def tiny_model(arch: str, formats: dict, dims: dict, **extra) -> SyntheticModel:
+    """A one-layer model whose matrices take the formats given by tensor name."""
+    return SyntheticModel(arch, "Q8_0", n_layer=1, formats=formats, **dims, **extra).build()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,8 +182,12 @@ def test_the_models_cover_every_format():
 @pytest.fixture(scope="module")
 def model_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("cuda_models")
-    return {name: MixedFormatModel(arch, formats, window=window, **dims).build().write(folder / f"{name}.gguf")
-            for name, (arch, dims, formats, window) in MODELS.items()}
+    files = {name: tiny_model(arch, formats, dims, window=window).write(folder / f"{name}.gguf")
+             for name, (arch, dims, formats, window) in MODELS.items()}
+    for name, (arch, keys, tensors, rope_dims) in ARCH_MODELS.items():
+        model = tiny_model(arch, SMALL_FORMATS, TINY, window=2, keys=keys, extra_tensors=tensors, rope_dims=rope_dims)
+        files[name] = model.write(folder / f"{name}.gguf")
+    return files
 
 
 def cuda_backend(path) -> CudaBackend:
@@ -209,6 +221,20 @@ def test_prefill_logits_match_cpu(model_files, name):
     backend = cuda_backend(model_files[name])
     got = backend.forward(ids, backend.new_cache(len(ids)), 0)
     assert_logits_match(got, want)
+
+
+@pytest.mark.parametrize("name", sorted(ARCH_MODELS))
+def test_architectures_prefill_and_decode_match_cpu(model_files, name, monkeypatch):
+    """Every architecture's own steps (biases, QK-norms, fused tensors, partial and scaled RoPE
+    with frequency factors, multipliers, soft-capping) on the GPU path: a prefill, then a step."""
+    monkeypatch.setattr(cuda_layers, "BATCHED", None)
+    ids = np.random.default_rng(4).integers(0, TINY["n_vocab"], 5)
+    cpu = minillm.load(model_files[name])
+    cpu_cache = cpu.new_cache(8)
+    backend = cuda_backend(model_files[name])
+    cache = backend.new_cache(8)
+    assert_logits_match(backend.forward(ids[:4], cache, 0), cpu.eval(ids[:4], cpu_cache))
+    assert_logits_match(backend.forward(ids[4:], cache, 0), cpu.eval(ids[4:], cpu_cache))
 
 
 def test_decode_with_ring_and_sinks_matches_cpu(model_files, monkeypatch):

@@ -22,7 +22,7 @@ MAX_HEAD_DIM = 512
 MAX_THREADS = 128
 
 _SIG = ("void(float32[:, ::1], int64[::1], float16[:, :, ::1], float16[:, :, ::1], int64[::1], int64, "
-        "int64, float32, float32[:, ::1])")
+        "int64, float32, float32, float32[:, ::1])")
 
 
 @device
@@ -34,11 +34,12 @@ def _slot(cell, n_keep, n_slots):
 
 
 @kernel(_SIG)
-def attention_kernel(q, q_pos, kcache, vcache, kv_pos, n_keep, window, scale, out):
+def attention_kernel(q, q_pos, kcache, vcache, kv_pos, n_keep, window, scale, softcap, out):
     """q (T, H*D) float32, q_pos (T,); kcache/vcache (S, Hkv, D) float16; kv_pos (S,) the logical
     position in each slot (-1: empty); positions [0, q_pos[t]] are scanned in order, each read
 from its slot when the ring still holds it. window
     0: unlimited, else a key at position p is visible from position i when 0 <= i - p < window.
+    softcap (0: none): scores capped at softcap * tanh(score / softcap), scale already divided.
     out (T, H*D).
     Grid (H, T), block (n,) with n <= MAX_THREADS."""
     q_sh = cuda.shared.array(MAX_HEAD_DIM, np.float32)     # (D,) the query, f16-rounded
@@ -72,6 +73,8 @@ from its slot when the ring still holds it. window
                 for d in range(D):
                     dot += q_sh[d] * np.float32(kcache[slot, kvh, d])
                 score = dot * scale
+                if softcap != 0:
+                    score = softcap * np.float32(math.tanh(score))
         score_sh[tid] = score
         slot_sh[tid] = slot
         cuda.syncthreads()
@@ -98,13 +101,16 @@ from its slot when the ring still holds it. window
         out[t, h * D + d] = acc_sh[d] * inv
 
 
-def attention(q, q_pos, kcache, vcache, kv_pos, n_keep: int, window: int, scale: float, n_heads: int, out):
+def attention(q, q_pos, kcache, vcache, kv_pos, n_keep: int, window: int, scale: float, softcap: float,
+              n_heads: int, out):
     """Launch attention_kernel (device arrays, shapes as in its doc)."""
+    if softcap:  # as ggml: the scale divided by the cap, the capped score multiplied by it
+        scale = np.float32(np.float32(scale) / np.float32(softcap))
     T = q.shape[0]
     D = kcache.shape[2]
     if D > MAX_HEAD_DIM or n_heads % kcache.shape[1]:
         raise ValueError(f"unsupported heads: {n_heads} query heads, {kcache.shape[1]} KV heads of {D}")
     threads = pow2_threads(max(D, min(kcache.shape[0], MAX_THREADS)), hi=MAX_THREADS)
     attention_kernel[(n_heads, T), threads](q, q_pos, kcache, vcache, kv_pos, int(n_keep), int(window),
-                                            np.float32(scale), out)
+                                            np.float32(scale), np.float32(softcap), out)
     return out

@@ -5,7 +5,7 @@ Same names, arguments and results as kernels/cpu/layers.py, over device arrays:
     weights           DeviceMatrix (a matrix: QWeights or FWeights and the activation kind it
                       takes) or a float32 (width,) device vector (norms)
     positions         int64 (T,) device array
-    rope_table        (freq_base, freq_scale): the CUDA RoPE kernel computes its own angles
+    rope_table        (cos, sin) float32 (T, rope_dims/2) device arrays: the CPU's tables, uploaded
     kv                (kcache, vcache (S, Hkv, D) float16, kv_pos (S,) int64, slots (T,) int64,
                        n_keep), as kernels/cpu/layers.py's
 so that `Transformer.layer_with_ops(this module)` runs an architecture's layer on the GPU.
@@ -15,9 +15,9 @@ calls `recycle(keep)` once a layer is done, which hands every buffer but `keep` 
 frees device memory in batches that synchronise the device; reusing buffers avoids that and
 the allocation calls.) One forward pass at a time.
 
-Two ops write into an argument, as the CPU's rope_attend rotates q and k in place:
-rope_attend rotates q and k, and add(x, y) computes x + y into y (always a temporary in the
-layers).
+Some ops write into an argument, as the CPU's rope_attend rotates q and k in place:
+rope_attend rotates q and k, add(x, y) computes x + y into y, add_bias and scaled change x
+(always temporaries in the layers).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from numba import cuda
 from .attention import attention
 from .matmul import FWeights, QWeights, fmatmul, qmatmul
 from .norm_quant import QActivations, quantize, rmsnorm
-from .ops import add_inplace, geglu as geglu_into, rope_store_kv, swiglu as swiglu_into
+from .ops import _launch, add_inplace, add_rows_kernel, geglu as geglu_into, rope_store_kv, scale_kernel, swiglu as swiglu_into
 
 FLOAT_KIND = -1  # DeviceMatrix.kind of float weights: activations are rounded, not quantized
 
@@ -151,21 +151,36 @@ def head_norm(x, weight, eps, n_heads, head_dim):
     return norm(x.reshape(T * n_heads, head_dim), weight, eps).reshape(T, n_heads * head_dim)
 
 
-def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, n_heads, n_kv_heads,
+def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, softcap, n_heads, n_kv_heads,
                 head_dim, rope_dims, neox):
-    """RoPE on q and k (in place), store k/v in the cache, attention of q * q_scale -> (T, H*D).
+    """RoPE on q and k (in place), store k/v in the cache, attention of q * q_scale -> (T, H*D),
+    scores soft-capped at softcap (0: not capped).
 
     q_scale is folded into the score scale: the attention kernel rounds q to f16 before the dot
     products, and f16(q * s) * (dot scale) == f16(q) * (s * dot scale) exactly when s is a power
     of two (Gemma 3's 1/sqrt(256)); otherwise the two differ by one f16 rounding of q."""
-    freq_base, freq_scale = rope_table
+    cos_t, sin_t = rope_table
     kcache, vcache, kv_pos, slots, n_keep = kv
-    rope_store_kv(q, k, v, positions, slots, n_heads, rope_dims, freq_base, freq_scale, neox,
-                  kcache, vcache, kv_pos)
+    rope_store_kv(q, k, v, positions, slots, n_heads, rope_dims, cos_t, sin_t, neox, kcache, vcache, kv_pos)
     out = POOL.take((q.shape[0], n_heads * head_dim))
     scale = np.float32(np.float32(kq_scale) * np.float32(q_scale))
-    return attention(q, positions, kcache, vcache, kv_pos, n_keep, window, scale,
-                     n_heads, out)
+    return attention(q, positions, kcache, vcache, kv_pos, n_keep, window, scale, softcap, n_heads, out)
+
+
+def add_bias(x, bias):
+    """x (T, N) + bias (N,) into x (a temporary); an empty bias: x as it is."""
+    if bias.size == 0:
+        return x
+    add_rows_kernel[_launch(x.size)](x, bias)
+    return x
+
+
+def scaled(x, s):
+    """x * s into x (a temporary); s == 1: x as it is."""
+    if s == 1:
+        return x
+    scale_kernel[_launch(x.size)](x, np.float32(s))
+    return x
 
 
 def add(x, y):

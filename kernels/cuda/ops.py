@@ -18,25 +18,17 @@ from .registry import device, kernel
 THREADS = 256
 
 _ROPE_SIG = ("void(float32[:, ::1], float32[:, ::1], float32[:, ::1], int64[::1], int64, int64, int64, "
-             "float32, float32, boolean, int64[::1], float16[:, :, ::1], float16[:, :, ::1], int64[::1])")
-
-
-@device
-def _rope_angle(pos, pair, theta_scale, freq_scale):
-    """freq_scale * pos * theta_scale^pair, the power taken by repeated float32 products as
-    ggml_rope_cache_init does (so the angles equal the CPU's rope_angles)."""
-    theta = np.float32(pos)
-    for _ in range(pair):
-        theta = np.float32(theta * theta_scale)
-    return freq_scale * theta
+             "float32[:, ::1], float32[:, ::1], boolean, int64[::1], float16[:, :, ::1], float16[:, :, ::1], int64[::1])")
 
 
 @kernel(_ROPE_SIG)
-def rope_store_kv_kernel(q, k, v, positions, n_heads, n_kv_heads, n_dims, theta_scale, freq_scale, neox,
+def rope_store_kv_kernel(q, k, v, positions, n_heads, n_kv_heads, n_dims, cos_t, sin_t, neox,
                          slots, kcache, vcache, kv_pos):
     """Rotate q (T, H*D) and k (T, Hkv*D) in place, then store k and v rounded to f16 into
     kcache/vcache (S, Hkv, D) at rows slots[t], and kv_pos[slots[t]] = positions[t].
 
+    cos_t/sin_t (T, n_dims/2): the CPU's rope tables (kernels/cpu/ops.rope_angles), so that the
+    angles, frequency factors and scaling are computed once, as llama.cpp computes them.
     One thread per (t, head of q then of k, j < D/2): j < n_dims/2 rotates the pair j (neox:
     (j, j + n_dims/2), else (2j, 2j+1)); the other threads carry dims n_dims.. D-1 to the cache.
     Grid over T * (H + Hkv) * D/2 threads."""
@@ -62,9 +54,8 @@ def rope_store_kv_kernel(q, k, v, positions, n_heads, n_kv_heads, n_dims, theta_
     x0 = q[t, a] if is_q else k[t, a]
     x1 = q[t, b] if is_q else k[t, b]
     if j < half:
-        angle = _rope_angle(positions[t], j, theta_scale, freq_scale)
-        c = np.float32(math.cos(angle))
-        s = np.float32(math.sin(angle))
+        c = cos_t[t, j]
+        s = sin_t[t, j]
         r0 = x0 * c - x1 * s
         r1 = x0 * s + x1 * c
         x0 = r0
@@ -137,30 +128,46 @@ def _launch(n: int) -> tuple[int, int]:
     return max(1, (n + threads - 1) // threads), threads
 
 
-def rope_theta_scale(freq_base: float, n_dims: int) -> np.float32:
-    """The per-pair factor of the rotation angle, computed as the CPU's rope_angles does."""
-    return np.float32(np.float32(freq_base) ** np.float32(-2.0 / n_dims))
+_NO_TABLE = None  # (1, 1) zeros on the device, made on first use: the tables of a store without RoPE
 
 
-def rope_store_kv(q, k, v, positions, slots, n_heads: int, n_dims: int, freq_base: float,
-                  freq_scale: float, neox: bool, kcache, vcache, kv_pos):
+def rope_store_kv(q, k, v, positions, slots, n_heads: int, n_dims: int, cos_t, sin_t, neox: bool,
+                  kcache, vcache, kv_pos):
     """RoPE on q and k (in place) and the store of k, v into the f16 cache, in one launch.
 
-    q (T, H*D), k/v (T, Hkv*D) float32; positions, slots (T,) int64; kcache/vcache (S, Hkv, D)
-    float16; kv_pos (S,) int64. n_dims = 0 stores without rotating (pass k as q with n_heads 0
-    to skip q)."""
+    q (T, H*D), k/v (T, Hkv*D) float32; positions, slots (T,) int64; cos_t/sin_t (T, n_dims/2)
+    float32 device tables; kcache/vcache (S, Hkv, D) float16; kv_pos (S,) int64. n_dims = 0
+    stores without rotating (pass k as q with n_heads 0 to skip q)."""
     T = k.shape[0]
     n_kv_heads, D = kcache.shape[1], kcache.shape[2]
-    theta_scale = rope_theta_scale(freq_base, n_dims) if n_dims else np.float32(1.0)
     n = T * (n_heads + n_kv_heads) * (D // 2)
-    rope_store_kv_kernel[_launch(n)](q, k, v, positions, n_heads, n_kv_heads, n_dims, theta_scale,
-                                     np.float32(freq_scale), bool(neox), slots, kcache, vcache, kv_pos)
+    rope_store_kv_kernel[_launch(n)](q, k, v, positions, n_heads, n_kv_heads, n_dims, cos_t, sin_t, bool(neox),
+                                     slots, kcache, vcache, kv_pos)
 
 
 def store_kv(k, v, positions, slots, kcache, vcache, kv_pos):
     """Store k, v (T, Hkv*D) into the f16 cache at `slots` without rotating (rope_store_kv with
     no rotary dims and no query heads)."""
-    rope_store_kv(k, k, v, positions, slots, 0, 0, 1.0, 1.0, False, kcache, vcache, kv_pos)
+    global _NO_TABLE
+    if _NO_TABLE is None:
+        _NO_TABLE = cuda.to_device(np.zeros((1, 1), np.float32))
+    rope_store_kv(k, k, v, positions, slots, 0, 0, _NO_TABLE, _NO_TABLE, False, kcache, vcache, kv_pos)
+
+
+@kernel("void(float32[:, ::1], float32[::1])")
+def add_rows_kernel(x, bias):
+    """x[t, j] += bias[j] (T, N); grid over T * N threads."""
+    i = cuda.grid(1)
+    if i < x.size:
+        x[i // x.shape[1], i % x.shape[1]] += bias[i % x.shape[1]]
+
+
+@kernel("void(float32[:, ::1], float32)")
+def scale_kernel(x, s):
+    """x *= s (T, N); grid over T * N threads."""
+    i = cuda.grid(1)
+    if i < x.size:
+        x[i // x.shape[1], i % x.shape[1]] *= s
 
 
 def swiglu(gate, up, out):

@@ -270,6 +270,30 @@ class Transformer:
             if len(shape) == 1 and info.format.name != "F32":
                 raise ModelError(f"tensor '{name}' must be F32, not {info.format.name}")
 
+    def features(self) -> list[str]:
+        """What the file asks of the arithmetic beyond the plain architecture (minillm info)."""
+        rope, hp, out = self.rope, self.hp, []
+        if rope.ext_factor:
+            out.append(f"YaRN RoPE scaling x{1 / rope.freq_scale:g} from {rope.n_ctx_orig} positions")
+        elif rope.freq_scale != 1:
+            out.append(f"linear RoPE scaling x{1 / rope.freq_scale:g}")
+        if rope.factors_long is not None:
+            out.append(f"LongRoPE factors (long ones past {rope.n_ctx_orig} positions)")
+        elif rope.factors.size:
+            out.append("RoPE frequency factors")
+        if rope.attn_factor != 1:
+            out.append(f"RoPE attention factor {rope.attn_factor:.4g}")
+        if hp.rope_dims < hp.head_dim:
+            out.append(f"RoPE on {hp.rope_dims} of {hp.head_dim} head dims")
+        layer0 = [name[len("blk.0."):] for name in self.gguf.tensors if name.startswith("blk.0.")]
+        if any(name.endswith(".bias") for name in layer0):
+            out.append("biases: " + ", ".join(sorted(n[:-len(".bias")] for n in layer0 if n.endswith(".bias"))))
+        if "attn_q_norm.weight" in layer0:
+            out.append("per-head q/k norms")
+        if "attn_qkv.weight" in layer0:
+            out.append("fused q/k/v")
+        return out
+
     # -- weights ---------------------------------------------------------------------
     def vector(self, name: str) -> np.ndarray:
         return self.gguf.read_rows(name, [0]).view(np.float32).reshape(-1)  # a 1-D tensor is one row

@@ -85,6 +85,16 @@ class Gemma3(Transformer):
         period = self.meta.int("attention.sliding_window_pattern", 0, 1 << 16, default=self.swa_pattern)
         return [period == 0 or il % period < period - 1 for il in range(n_layer)]
 
+    def features(self):
+        out = super().features()
+        if any(self.local):
+            out.append(f"sliding window of {self.window} on {sum(self.local)} of {len(self.local)} layers")
+        if self.attention_softcap():
+            out.append(f"attention soft-capping at {self.attention_softcap():g}")
+        if self.softcap:
+            out.append(f"final logit soft-capping at {self.softcap:g}")
+        return out
+
     def is_local(self, il: int) -> bool:
         return self.local[il]
 

@@ -23,6 +23,10 @@ class Granite(Llama):
                              "RoPE) is not supported")
         return hp
 
+    def features(self):
+        return super().features() + [f"multipliers: embedding {self.embedding_scale:g}, residual "
+                                     f"{self.residual_scale:g}, attention {self.attn_scale:g}, logits 1/{self.logit_scale:g}"]
+
     def embed(self, ids):
         return super().embed(ids) * np.float32(self.embedding_scale)
 

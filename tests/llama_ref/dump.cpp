@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 #include <vector>
+#include <algorithm>
 
 static FILE * g_out = nullptr;
 static int g_eval = 0;
@@ -40,7 +41,7 @@ int main(int argc, char ** argv) {
     auto mp = llama_model_default_params();
     llama_model * model = llama_model_load_from_file(model_path, mp);
     auto cp = llama_context_default_params();
-    cp.n_ctx = 4096; cp.n_threads = threads; cp.n_threads_batch = threads;
+    cp.n_ctx = 4096; cp.n_batch = 4096; cp.n_threads = threads; cp.n_threads_batch = threads;
     cp.cb_eval = cb; cp.cb_eval_user_data = nullptr;
     llama_context * ctx = llama_init_from_model(model, cp);
     const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
@@ -54,14 +55,22 @@ int main(int argc, char ** argv) {
         if (llama_decode(ctx, b1)) { fprintf(stderr, "decode failed\n"); return 1; }
         fwrite(llama_get_logits_ith(ctx, -1), 4, n_vocab, lg);
     }
-    // DUMP_GREEDY=n: then n greedy tokens (argmax of the last logits), ids to OUT_FILE.greedy
+    // DUMP_GREEDY=n: then up to n greedy steps (argmax of the last logits; an end-of-generation
+    // token is the last), one line each to OUT_FILE.greedy: the token, then the top 10 "id logit"
     const int n_greedy = getenv("DUMP_GREEDY") ? atoi(getenv("DUMP_GREEDY")) : 0;
     FILE * gr = n_greedy > 0 ? fopen((std::string(argv[3]) + ".greedy").c_str(), "w") : nullptr;
+    const llama_vocab * vocab = llama_model_get_vocab(model);
     for (int i = 0; i < n_greedy; i++) {
         const float * row = llama_get_logits_ith(ctx, -1);
-        llama_token best = 0;
-        for (int t = 1; t < n_vocab; t++) if (row[t] > row[best]) best = t;
-        fprintf(gr, "%d\n", best);
+        std::vector<int> order(n_vocab);
+        for (int t = 0; t < n_vocab; t++) order[t] = t;
+        std::partial_sort(order.begin(), order.begin() + 10, order.end(),
+                          [row](int a, int b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+        llama_token best = order[0];
+        fprintf(gr, "%d", best);
+        for (int j = 0; j < 10; j++) fprintf(gr, " %d %.9g", order[j], row[order[j]]);
+        fprintf(gr, "\n");
+        if (llama_vocab_is_eog(vocab, best)) break;
         g_eval++;
         llama_batch b1 = llama_batch_get_one(&best, 1);
         if (llama_decode(ctx, b1)) { fprintf(stderr, "decode failed\n"); return 1; }

@@ -38,11 +38,15 @@ def main(workdir: str) -> None:
             logits = np.fromfile(Path(tmp) / "out.logits", np.float32).reshape(arch_cases.N_DECODE + 1, -1)
             dump(binary, path, ids[:arch_cases.N_PROMPT], arch_cases.N_PROMPT, Path(tmp) / "greedy",
                  arch_cases.N_GREEDY)
-            greedy = np.loadtxt(Path(tmp) / "greedy.greedy", np.int64).reshape(-1)
+            lines = (Path(tmp) / "greedy.greedy").read_text().splitlines()
+            greedy = np.array([int(line.split()[0]) for line in lines], np.int64)
             record[f"{name}/sha256"] = np.array(hashlib.sha256(path.read_bytes()).hexdigest())
             record[f"{name}/logits"] = logits
             record[f"{name}/greedy"] = greedy
             print(f"{name}: logits {logits.shape}, greedy {greedy.tolist()}")
+    from minillm.kernels.cpu.ops import GGML_AVX512  # the build of ggml llama.cpp ran (this CPU's)
+
+    record["ggml_build"] = np.array("avx512" if GGML_AVX512 else "avx2")
     out = Path(__file__).resolve().parent.parent / "data" / "arch_reference.npz"
     np.savez_compressed(out, **record)
     print(f"wrote {out}")
