@@ -397,3 +397,30 @@ def test_every_known_pre_tokenizer_compiles_and_keeps_all_text():
 def test_categories_follow_llama_cpp_unicode_15_1_tables():
     # U+31350 (CJK Extension H, Unicode 15.0) is a letter for llama.cpp, so it joins the word.
     assert PreTokenizer([GPT2]).split("a\U00031350 x") == ["a\U00031350", " x"]
+
+
+def _fixup_rows() -> list[dict]:
+    with open(DATA / "tokfixups.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_tokens_retyped_by_text_as_llama_cpp(name):
+    """llama.cpp re-types some tokens by their text whatever the file says (Gemma 3's "</s>",
+    USER_DEFINED in the file, becomes CONTROL and ends generation): the same types, the same
+    end-of-generation set, and the same ids for texts that hold such tokens, plain or special."""
+    from minillm.gguf_file import GGUFFile
+
+    tok = real_tokenizer(name)
+    rows = [r for r in _fixup_rows() if r["model"] == name]
+    summary = next(r for r in rows if "retyped" in r)
+    file_types = list(GGUFFile(MODELS[name]).metadata["tokenizer.ggml.token_type"])
+    changed = [[i, int(tok.token_type(i))] for i, t in enumerate(file_types)
+               if int(tok.token_type(i)) != t and not (t == 5 and tok.token_type(i) == 3)]
+    assert changed == summary["retyped"]
+    assert sorted(tok.eog_ids) == summary["eog"]
+    for r in rows:
+        if "text" in r:
+            options = dict(add_bos=False, special=False) if r["kind"] == "tok" else dict(special=True)
+            assert tok.tokenize(r["text"], **options) == r["ids"], (r["kind"], r["text"])

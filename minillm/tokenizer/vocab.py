@@ -30,16 +30,28 @@ class TokenType(IntEnum):
     BYTE = 6
 
 
-# Tokens llama.cpp recognises by text when the file does not name them (llama-vocab.cpp).
+# Tokens llama.cpp b11434 recognises by text (llama-vocab.cpp), whatever the file says of them:
+# the first found names the special id when the file does not, and is made CONTROL.
 EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-             "<|end_of_text|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
+             "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
 EOM_TEXTS = ("<|eom_id|>",)
-FIM_PAD_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>")
+FIM_PRE_TEXTS = ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+                 "<|code_prefix|>", "<|prefix|>")
+FIM_SUF_TEXTS = ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+                 "<|code_suffix|>", "<|suffix|>")
+FIM_MID_TEXTS = ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+                 "<|code_middle|>", "<|middle|>")
+FIM_PAD_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")
 FIM_REP_TEXTS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
 FIM_SEP_TEXTS = ("<|file_sep|>",)
-EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
-             "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>",
-             "<end_of_utterance>")
+# Every token with one of these texts ends generation, and is made CONTROL (so never matched in
+# plain text): Gemma 3's "</s>", typed USER_DEFINED in its file, is one.
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+             "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+             "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+             "<｜end▁of▁sentence｜>", "[e~[")
+# gpt-oss: always rendered, as USER_DEFINED
+ALWAYS_RENDERED_TEXTS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 
 # Default special ids per tokenizer model, before the file's own keys override them.
 _DEFAULT_IDS = {
@@ -54,6 +66,9 @@ _SPECIAL_ID_KEYS = {
     "unk": "tokenizer.ggml.unknown_token_id",
     "sep": "tokenizer.ggml.seperator_token_id",  # sic: the GGUF key is spelled this way
     "pad": "tokenizer.ggml.padding_token_id",
+    "fim_pre": "tokenizer.ggml.fim_pre_token_id",
+    "fim_suf": "tokenizer.ggml.fim_suf_token_id",
+    "fim_mid": "tokenizer.ggml.fim_mid_token_id",
     "fim_pad": "tokenizer.ggml.fim_pad_token_id",
     "fim_rep": "tokenizer.ggml.fim_rep_token_id",
     "fim_sep": "tokenizer.ggml.fim_sep_token_id",
@@ -177,10 +192,13 @@ def _read_special_ids(metadata, model: str, n_vocab: int) -> dict[str, int | Non
 
 def _detect_by_text(token_to_id: TokenIndex, types: array,
                     special_ids: dict[str, int | None]) -> set[int]:
-    """Find end-of-generation tokens as llama.cpp does; mark them CONTROL. Returns the EOG set."""
-    for name, candidates in (("eot", EOT_TEXTS), ("eom", EOM_TEXTS), ("fim_pad", FIM_PAD_TEXTS),
+    """llama.cpp's fix-ups by token text: special ids the file does not name, tokens re-typed
+    CONTROL, the end-of-generation set. Returns the EOG set."""
+    for name, candidates in (("eot", EOT_TEXTS), ("eom", EOM_TEXTS), ("fim_pre", FIM_PRE_TEXTS),
+                             ("fim_suf", FIM_SUF_TEXTS), ("fim_mid", FIM_MID_TEXTS), ("fim_pad", FIM_PAD_TEXTS),
                              ("fim_rep", FIM_REP_TEXTS), ("fim_sep", FIM_SEP_TEXTS)):
-        if special_ids[name] is None:
+        if special_ids.get(name) is None:
+            # llama.cpp takes the first its hash map yields; the lowest id here (one, in practice)
             found = sorted(token_to_id[t] for t in candidates if t in token_to_id)
             if found:
                 special_ids[name] = found[0]
@@ -191,14 +209,31 @@ def _detect_by_text(token_to_id: TokenIndex, types: array,
         if token_id is not None:
             eog.add(token_id)
             types[token_id] = TokenType.CONTROL
+    for text in ALWAYS_RENDERED_TEXTS:
+        if text in token_to_id:
+            types[token_to_id[text]] = TokenType.USER_DEFINED
     eog.update(special_ids[n] for n in ("eos", "eot", "eom") if special_ids[n] is not None)
     _drop_harmony_end(eog, token_to_id, types)
+    _keep_plain_s_marker(eog, token_to_id, types)
     return eog
 
 
 def _drop_harmony_end(eog: set[int], token_to_id: TokenIndex, types: array) -> None:
-    """o200k_harmony: with <|return|> and <|call|> present, <|end|> does not end generation."""
-    ids = [token_to_id.get(t) for t in ("<|return|>", "<|call|>", "<|end|>")]
-    if all(i is not None and i in eog for i in ids):
-        eog.discard(ids[2])
-        types[ids[2]] = TokenType.USER_DEFINED
+    """o200k_harmony (<|return|>, <|call|>) and solar-open (<|calls|>, <|flush|>): <|end|> does
+    not end generation."""
+    present = {t for t in ("<|return|>", "<|call|>", "<|calls|>", "<|flush|>", "<|end|>")
+               if token_to_id.get(t) in eog}
+    has_call = bool(present & {"<|call|>", "<|calls|>"})
+    if "<|end|>" in present and has_call and ({"<|return|>", "<|flush|>"} & present):
+        end = token_to_id["<|end|>"]
+        eog.discard(end)
+        types[end] = TokenType.USER_DEFINED
+
+
+def _keep_plain_s_marker(eog: set[int], token_to_id: TokenIndex, types: array) -> None:
+    """Gemma 4 and PLaMo (<|tool_response>, <|plamo:eos|>) have a plain </s>: not EOG, NORMAL."""
+    s_id = token_to_id.get("</s>")
+    markers = (token_to_id.get(t) for t in ("<|tool_response>", "<|plamo:eos|>"))
+    if s_id in eog and any(m is not None and m in eog for m in markers):
+        eog.discard(s_id)
+        types[s_id] = TokenType.NORMAL

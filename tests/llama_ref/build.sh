@@ -27,6 +27,8 @@ ln -sf "$src/build/bin/llama-batched-bench" "$work/llama-batched-bench"
 ln -sf "$src/build/bin/llama-server" "$work/llama-server"
 ln -sf "$src/build/bin/llama-speculative-simple" "$work/llama-speculative-simple"
 ln -sf "$src/build/bin/llama-lookup" "$work/llama-lookup"
-g++ -O2 -std=c++17 "$here/dump.cpp" -I"$src/include" -I"$src/ggml/include" -L"$src/build/bin" \
-    -lllama -lggml -lggml-base -Wl,-rpath,"$src/build/bin" -o "$work/dump"
-echo "built $work/dump and the llama-* tools beside it"
+for tool in dump vocab_dump; do
+    g++ -O2 -std=c++17 "$here/$tool.cpp" -I"$src/include" -I"$src/ggml/include" -L"$src/build/bin" \
+        -lllama -lggml -lggml-base -Wl,-rpath,"$src/build/bin" -o "$work/$tool"
+done
+echo "built $work/dump, $work/vocab_dump and the llama-* tools beside them"
