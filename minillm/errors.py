@@ -11,3 +11,9 @@ class GGUFError(MinillmError):
 
 class ModelError(MinillmError):
     """The GGUF file is valid but does not describe a model we can run."""
+
+
+class UnsupportedError(ModelError):
+    """The file is valid and its architecture known, but it asks for arithmetic that the
+    architecture's module does not implement (a key, a tensor, a scaling type): refused by name
+    rather than computed differently."""

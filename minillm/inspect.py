@@ -5,7 +5,7 @@ from collections import Counter
 from pathlib import Path
 
 from .arch import ARCHITECTURES, get_architecture
-from .errors import ModelError
+from .errors import UnsupportedError
 from .gguf_file import GGUFFile
 
 
@@ -28,7 +28,7 @@ def describe(path: Path) -> dict:
         if facts["supported"]:
             try:  # validates the metadata and tensors against what the module computes
                 arch = get_architecture(arch_name)(g)
-            except ModelError as e:
+            except UnsupportedError as e:
                 facts["supported"] = False
                 facts["unsupported"] = str(e)
         if arch is not None:

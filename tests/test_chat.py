@@ -16,13 +16,22 @@ def spawn_chat(tmp_path, *args):
     return child
 
 
+# llama.cpp's greedy reply to the first question, as built for this CPU (ggml's AVX2 and AVX-512
+# builds round differently, and minillm computes as the build for its CPU: docs/fidelity.md)
+GREEDY_REPLIES = {True: "L'Étoile, la Marseillaise, la femme au roi",   # AVX-512
+                  False: "L'Étoile, la Marseillaise, la femme au martyre"}  # AVX2 (llama.cpp b11434 built here)
+
+
 @pytest.mark.slow
 def test_chat_two_turns_slash_commands_and_exit(tmp_path):
+    from minillm.kernels.cpu.ops import GGML_AVX512
+
+    GREEDY_REPLY = GREEDY_REPLIES[GGML_AVX512]
     child = spawn_chat(tmp_path, "--temp", "0", "-n", "40")
     child.sendline("What is the capital of France?")
     child.expect_exact(">>> ")
     first = child.before
-    assert "L'Étoile, la Marseillaise, la femme au roi" in first  # llama.cpp's greedy reply
+    assert GREEDY_REPLY in first  # llama.cpp's greedy reply
     child.sendline("/show")
     child.expect(r"messages: 2; tokens in context: (\d+)")
     context_after_first = int(child.match.group(1))

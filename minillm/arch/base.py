@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import ModelError
+from ..errors import ModelError, UnsupportedError
 from ..gguf_file import GGUFFile
 from ..kernels.cpu import ops
 from ..kernels.cpu.layers import NO_PAGING, linear
@@ -104,7 +104,7 @@ class Metadata:
     def str(self, key: str, choices: tuple[str, ...], default=None) -> str:
         full, value = self._get(key, default)
         if value not in choices:
-            raise ModelError(f"metadata '{full}' = {value!r} is not supported (supported: {', '.join(choices)})")
+            raise UnsupportedError(f"metadata '{full}' = {value!r} is not supported (supported: {', '.join(choices)})")
         return value
 
     def bool(self, key: str, default=None) -> bool:
@@ -174,7 +174,7 @@ class Transformer:
                 continue
             if key in NEUTRAL_VALUES and self.gguf.metadata[f"{self.name}.{key}"] == NEUTRAL_VALUES[key]:
                 continue
-            raise ModelError(f"metadata '{self.name}.{key}' asks for arithmetic that minillm's {self.name} "
+            raise UnsupportedError(f"metadata '{self.name}.{key}' asks for arithmetic that minillm's {self.name} "
                              f"module does not implement: refusing rather than computing something else")
 
     def read_rope_scaling(self) -> RopeScaling:
@@ -254,7 +254,7 @@ class Transformer:
                 expected[f"blk.{il}.{suffix}"] = shape
         for name in self.gguf.tensors:
             if name not in expected:
-                raise ModelError(f"tensor '{name}' is not one minillm's {self.name} module computes with: "
+                raise UnsupportedError(f"tensor '{name}' is not one minillm's {self.name} module computes with: "
                                  f"refusing rather than ignoring it")
         for name, shape in expected.items():
             info = self.gguf.tensors.get(name)

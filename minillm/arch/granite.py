@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ModelError
+from ..errors import UnsupportedError
 from .llama import Llama
 
 
@@ -19,7 +19,7 @@ class Granite(Llama):
         self.residual_scale = m.float("residual_scale", 0.0, 1e6, default=0.0) or 1.0
         self.embedding_scale = m.float("embedding_scale", 0.0, 1e6, default=0.0) or 1.0
         if not m.bool("rope.scaling.finetuned", default=True):  # llama.cpp: no RoPE at all
-            raise ModelError(f"metadata '{self.name}.rope.scaling.finetuned' = false (a Granite without "
+            raise UnsupportedError(f"metadata '{self.name}.rope.scaling.finetuned' = false (a Granite without "
                              "RoPE) is not supported")
         return hp
 
