@@ -250,6 +250,25 @@ def _halve(builder, v, n):
     return builder.fadd(lo, hi)
 
 
+def _dot_f16_accumulators(context, builder, signature, args, n_acc):
+    """The 16-lane fma accumulators of an f16 dot product over steps of 16 * n_acc values
+    (args: a, a_off, b, b_off, n, n a multiple of the step): accumulator k takes values
+    16k..16k+15 of each step."""
+    a_a, a_o, b_a, b_o, n = args
+    c = lambda v: ir.Constant(a_o.type, v)  # noqa: E731
+    step = 16 * n_acc
+
+    def body(i, carried):
+        at = builder.mul(i, c(step))
+        return [_fma(builder,
+                     _load_f32x16(context, builder, signature.args[0], a_a, builder.add(a_o, builder.add(at, c(16 * k)))),
+                     _load_f32x16(context, builder, signature.args[2], b_a, builder.add(b_o, builder.add(at, c(16 * k)))),
+                     acc)
+                for k, acc in enumerate(carried)]
+
+    return _loop(builder, builder.sdiv(n, c(step)), [ir.Constant(_F32X16, None)] * n_acc, body)
+
+
 @intrinsic
 def dot_f16_64(typingctx, a, a_off, b, b_off, n64):
     """ggml_vec_dot_f16 (AVX-512) over the first n64 (a multiple of 64) values of a and b, in
@@ -259,19 +278,7 @@ def dot_f16_64(typingctx, a, a_off, b, b_off, n64):
     sig = types.float32(a, types.intp, b, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):
-        a_a, a_o, b_a, b_o, n64 = args
-        c = lambda v: ir.Constant(a_o.type, v)  # noqa: E731
-
-        def body(i, carried):
-            at = builder.mul(i, c(64))
-            return [_fma(builder,
-                         _load_f32x16(context, builder, signature.args[0], a_a, builder.add(a_o, builder.add(at, c(16 * k)))),
-                         _load_f32x16(context, builder, signature.args[2], b_a, builder.add(b_o, builder.add(at, c(16 * k)))),
-                         acc)
-                    for k, acc in enumerate(carried)]
-
-        n_steps = builder.sdiv(n64, c(64))
-        acc0, acc1, acc2, acc3 = _loop(builder, n_steps, [ir.Constant(_F32X16, None)] * 4, body)
+        acc0, acc1, acc2, acc3 = _dot_f16_accumulators(context, builder, signature, args, 4)
         s16 = builder.fadd(builder.fadd(acc0, acc2), builder.fadd(acc1, acc3))
         s4 = _halve(builder, _halve(builder, s16, 8), 4)
         lane = lambda j: builder.extract_element(s4, ir.Constant(_I32, j))  # noqa: E731
@@ -289,19 +296,7 @@ def dot_f16_32(typingctx, a, a_off, b, b_off, n32):
     sig = types.float32(a, types.intp, b, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):
-        a_a, a_o, b_a, b_o, n32 = args
-        c = lambda v: ir.Constant(a_o.type, v)  # noqa: E731
-
-        def body(i, carried):
-            at = builder.mul(i, c(32))
-            return [_fma(builder,
-                         _load_f32x16(context, builder, signature.args[0], a_a, builder.add(a_o, builder.add(at, c(16 * k)))),
-                         _load_f32x16(context, builder, signature.args[2], b_a, builder.add(b_o, builder.add(at, c(16 * k)))),
-                         acc)
-                    for k, acc in enumerate(carried)]
-
-        n_steps = builder.sdiv(n32, c(32))
-        lo, hi = _loop(builder, n_steps, [ir.Constant(_F32X16, None)] * 2, body)
+        lo, hi = _dot_f16_accumulators(context, builder, signature, args, 2)
         s4 = _halve(builder, _halve(builder, builder.fadd(lo, hi), 8), 4)  # (0+2)+(1+3), 128-bit halves
         lane = lambda j: builder.extract_element(s4, ir.Constant(_I32, j))  # noqa: E731
         return builder.fadd(builder.fadd(lane(0), lane(1)), builder.fadd(lane(2), lane(3)))

@@ -35,8 +35,8 @@ YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # llama.cpp's defaults (these archit
 
 @dataclass
 class RopeScaling:
-    """llama.cpp's RoPE parameters for the file (ggml_rope_ext's freq_scale, ext_factor,
-    attn_factor, corr dims) and the frequency factors, if the file has them."""
+    """llama.cpp's RoPE parameters for the file (ggml_rope_ext's freq_scale, ext_factor and
+    attn_factor; the corr dims follow from each table's base) and its frequency factors."""
     kind: str = "linear"
     freq_scale: float = 1.0
     ext_factor: float = 0.0
@@ -174,8 +174,9 @@ class Transformer:
                 continue
             if key in NEUTRAL_VALUES and self.gguf.metadata[f"{self.name}.{key}"] == NEUTRAL_VALUES[key]:
                 continue
-            raise UnsupportedError(f"metadata '{self.name}.{key}' asks for arithmetic that minillm's {self.name} "
-                             f"module does not implement: refusing rather than computing something else")
+            raise UnsupportedError(f"metadata '{self.name}.{key}' asks for arithmetic that minillm's "
+                                   f"{self.name} module does not implement: refusing rather than "
+                                   f"computing something else")
 
     def read_rope_scaling(self) -> RopeScaling:
         """The rope scaling keys and factor tensors, as llama.cpp b11434 turns them into
