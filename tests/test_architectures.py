@@ -78,8 +78,11 @@ def test_what_a_module_does_not_compute_is_refused_by_name(tmp_path, model, name
     assert named in load_error(tmp_path, fmt="F32", **model)
 
 
-def test_neutral_values_of_unhandled_keys_load(tmp_path):
-    keys = {"expert_count": 0, "attention.causal": True, "rope.scaling.finetuned": True, "vocab_size": 40}
+def test_keys_llama_cpp_leaves_unread_load(tmp_path):
+    # neutral values, and keys llama.cpp's converter writes that b11434 does not read for Llama
+    # (a sliding window, YaRN's betas): it computes without them, and so does minillm
+    keys = {"expert_count": 0, "attention.causal": True, "rope.scaling.finetuned": True, "vocab_size": 40,
+            "attention.sliding_window": 4096, "rope.scaling.yarn_beta_fast": 32.0}
     path = SyntheticModel("llama", "F32", n_layer=1, n_embd=64, head_dim=16, n_ff=64, n_vocab=40,
                           keys=keys).build().write(tmp_path / "m.gguf")
     assert minillm.load(path).n_vocab == 40

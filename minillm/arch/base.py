@@ -26,6 +26,10 @@ COMMON_KEYS = frozenset({
     "attention.layer_norm_rms_epsilon", "rope.dimension_count", "rope.freq_base",
     "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear", "rope.scaling.original_context_length",
     "rope.scaling.attn_factor", "rope.scaling.finetuned",
+    # written by llama.cpp's converter from YaRN configs; b11434 reads them for DeepSeek-style
+    # models only, so these architectures compute without them, as it does
+    "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_beta_fast",
+    "rope.scaling.yarn_beta_slow",
 })
 # keys that are harmless at these values (a mixture of experts, a non-causal encoder: refused)
 NEUTRAL_VALUES = {"expert_count": 0, "expert_used_count": 0, "attention.causal": True, "pooling_type": 0}

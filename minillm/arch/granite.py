@@ -10,7 +10,7 @@ from .llama import Llama
 
 class Granite(Llama):
     name = "granite"
-    handled_keys = frozenset({"attention.scale", "logit_scale", "residual_scale", "embedding_scale"})
+    handled_keys = Llama.handled_keys | {"logit_scale", "residual_scale", "embedding_scale"}
 
     def read_hparams(self):
         hp = super().read_hparams()

@@ -48,7 +48,8 @@ class Llama(Transformer):
     layer_function = staticmethod(decoder_layer)
     layer_order = Transformer.layer_order + ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias",
                                              "attn_q_norm", "attn_k_norm")
-    handled_keys = frozenset({"attention.scale"})
+    # a sliding window is read by llama.cpp for other architectures only: it attends to everything
+    handled_keys = frozenset({"attention.scale", "attention.sliding_window"})
 
     def read_hparams(self):
         hp = super().read_hparams()

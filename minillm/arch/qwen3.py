@@ -8,7 +8,8 @@ from .llama import Llama
 class Qwen3(Llama):
     name = "qwen3"
     rope_neox = True
-    handled_keys = frozenset()
+    # llama.cpp b11434's qwen2/qwen3 read no sliding-window keys: they attend to everything
+    handled_keys = frozenset({"attention.sliding_window", "attention.sliding_window_pattern"})
 
     def rope_factor_names(self, kind):
         return ()
