@@ -30,8 +30,5 @@ class Granite(Llama):
     def embed(self, ids):
         return super().embed(ids) * np.float32(self.embedding_scale)
 
-    def layer_args(self, il, tables):
-        return super().layer_args(il, tables)[:-1] + (np.float32(self.residual_scale),)
-
     def finish_logits(self, logits):
         return logits * (np.float32(1.0) / np.float32(self.logit_scale))

@@ -50,6 +50,8 @@ class Llama(Transformer):
                                              "attn_q_norm", "attn_k_norm")
     # a sliding window is read by llama.cpp for other architectures only: it attends to everything
     handled_keys = frozenset({"attention.scale", "attention.sliding_window"})
+    # the layer's scales: q before attention, the scores, each residual branch (set by read_hparams)
+    q_scale = attn_scale = residual_scale = 1.0
 
     def read_hparams(self):
         hp = super().read_hparams()
@@ -74,4 +76,4 @@ class Llama(Transformer):
         """rope table, eps, heads, dims, neox, q_scale, kq_scale, residual_scale."""
         hp = self.hp
         return (tables, np.float32(hp.rms_eps), hp.n_head, hp.n_head_kv, hp.head_dim, hp.rope_dims, self.rope_neox,
-                np.float32(1.0), np.float32(self.attn_scale), np.float32(1.0))
+                np.float32(self.q_scale), np.float32(self.attn_scale), np.float32(self.residual_scale))

@@ -5,8 +5,6 @@ LongRoPE frequency factors (short or long by the context) with their attention f
 llama.cpp b11434 ignores Phi-3's sliding window (it attends to the whole context): so do we."""
 from __future__ import annotations
 
-import numpy as np
-
 from .base import inv_sqrt
 from .llama import Llama
 
@@ -18,7 +16,8 @@ class Phi3(Llama):
 
     def read_hparams(self):
         hp = super(Llama, self).read_hparams()  # partial rotary dims are Phi-3's own
-        self.attn_scale = 1.0  # the scores are not scaled: q is (layer_args)
+        # as llama.cpp's phi3: q scaled by 1/sqrt(head_dim) after RoPE, the scores by 1
+        self.q_scale, self.attn_scale = inv_sqrt(hp.head_dim), 1.0
         return hp
 
     def rope_factor_names(self, kind):
@@ -59,8 +58,3 @@ class Phi3(Llama):
         sources[order.index("ffn_gate")] = (up, (0, hp.n_ff))
         sources[order.index("ffn_up")] = (up, (hp.n_ff, 2 * hp.n_ff))
         return sources
-
-    def layer_args(self, il, tables):
-        """As llama.cpp's phi3: q scaled by 1/sqrt(head_dim) after RoPE, the scores by 1."""
-        args = super().layer_args(il, tables)
-        return args[:7] + (np.float32(inv_sqrt(self.hp.head_dim)),) + args[8:]

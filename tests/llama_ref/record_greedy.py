@@ -11,21 +11,18 @@ reference row has, an end-of-generation token ending it), top 10 logits at each 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from record_archs import dump  # run as a script: this folder is on the path
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 MODELS = {"smollm2": "models/SmolLM2-135M-Instruct.Q4_1.gguf", "gemma3": "models/gemma-3-270m-q4_k_m.gguf"}
 
 
-def greedy_run(dump: Path, model: str, prompt: list[int], n_steps: int, tmp: Path) -> list[dict]:
-    (tmp / "ids.txt").write_text(" ".join(map(str, prompt)))
-    env = dict(os.environ, DUMP_EVALS="0", DUMP_GREEDY=str(n_steps))
-    subprocess.run([str(dump), model, str(tmp / "ids.txt"), str(tmp / "out"), str(len(prompt)), "2"],
-                   env=env, check=True, capture_output=True)
+def greedy_run(binary: Path, model: str, prompt: list[int], n_steps: int, tmp: Path) -> list[dict]:
+    dump(binary, model, prompt, len(prompt), tmp / "out", n_steps)
     steps = []
     for line in (tmp / "out.greedy").read_text().splitlines():
         fields = line.split()
