@@ -201,15 +201,28 @@ def _run_app() -> int:
 @app.command()
 def perplexity(
     model: Path = ModelArg,
-    file: Path = typer.Option(..., "-f", "--file", help="Text file to score.", show_default=False),
+    file: Optional[Path] = typer.Option(None, "-f", "--file", help="Text file to score.", show_default=False),
     n_ctx: int = typer.Option(512, "-c", "--ctx", min=16, max=1 << 16, help="Tokens per chunk."),
+    chunks: Optional[int] = typer.Option(None, "--chunks", min=1, help="Score only the first N chunks."),
+    kld_base: Optional[Path] = typer.Option(
+        None, "--kl-divergence-base", metavar="FILE", show_default=False,
+        help="With -f: save every scored position's log-probabilities to FILE (llama-perplexity's "
+             "format). With --kl-divergence: the file to compare against."),
+    kld: bool = typer.Option(False, "--kl-divergence",
+                             help="Compare MODEL with --kl-divergence-base FILE over the file's own tokens: "
+                                  "KL divergence, top-1 agreement, perplexity ratio."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=1024, help="Threads."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, or auto."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
-    """Perplexity of a text, with llama-perplexity's protocol; prints `PPL = X`."""
-    from tqdm import tqdm
-
+    """Perplexity of a text, with llama-perplexity's protocol; prints `PPL = X`. With
+    --kl-divergence-base and --kl-divergence, how far MODEL's predictions are from a base model's."""
+    if kld:
+        if kld_base is None:
+            raise MinillmError("--kl-divergence needs --kl-divergence-base FILE (written by a run with -f)")
+        return _kl_divergence(model, kld_base, threads, device, as_json)
+    if file is None:
+        raise MinillmError("no text to score: pass -f FILE")
     from .perplexity import perplexity as run
 
     try:
@@ -217,15 +230,43 @@ def perplexity(
     except (OSError, UnicodeDecodeError) as exc:
         raise MinillmError(f"cannot read {file}: {exc}") from None
     m = load_model(model, threads, device)
-    with tqdm(total=None, unit="chunk", file=sys.stderr, disable=as_json) as bar:
+    with _chunk_bar(as_json) as bar:
         def progress(done, total, ppl):
             bar.total = total
             bar.update(1)
             bar.set_postfix(ppl=f"{ppl:.4f}")
 
-        result = run(m, text, n_ctx, progress)
+        result = run(m, text, n_ctx, progress, n_chunks=chunks, kld_base=kld_base)
+    if kld_base is not None:
+        _err(f"saved the log-probabilities of {result.n_scored} positions to {kld_base}")
     if as_json:
         print(json.dumps({"ppl": result.ppl, "n_ctx": n_ctx, "n_chunks": result.n_chunks,
                           "n_scored": result.n_scored, "chunk_ppl": result.chunk_ppl}))
     else:
         print(f"PPL = {result.ppl:.4f}")
+
+
+def _chunk_bar(quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=None, unit="chunk", file=sys.stderr, disable=quiet)
+
+
+def _kl_divergence(model: Path, base: Path, threads, device: str, as_json: bool) -> None:
+    from .kl_divergence import BaseFile, mean_and_uncertainty
+    from .perplexity import kl_divergence
+
+    base_file = BaseFile.open(base)
+    m = load_model(model, threads, device)
+    with _chunk_bar(as_json) as bar:
+        def progress(done, total, sums):
+            bar.total = total
+            bar.update(1)
+            bar.set_postfix(kld=f"{mean_and_uncertainty(sums.sum_kld, sums.sum_kld2, sums.count)[0]:.5f}",
+                            same_top=f"{sums.n_same_top / sums.count:.2%}")
+
+        result = kl_divergence(m, base_file, progress)
+    if as_json:
+        print(json.dumps(result.figures()))
+    else:
+        print("\n".join(result.report_lines()))

@@ -398,15 +398,17 @@ class Transformer:
 
     row_layers = None  # self.layers with every product computed row by row (forward_rows)
 
+    skipped_layers: frozenset = frozenset()   # left out of the forward (layer importance)
+
     def run_layers(self, ids, positions, kv_of, out_from, layers, n_ctx) -> np.ndarray:
         """The hidden states (T - out_from, E) after every layer."""
         x = self.embed(ids)
         tables = self.rope_tables(positions, n_ctx)
-        last = len(layers) - 1
-        for il, layer in enumerate(layers):
-            x = self.layer_function(x, layer, positions, kv_of(il), out_from if il == last else 0,
+        run = [il for il in range(len(layers)) if il not in self.skipped_layers]
+        for il in run:
+            x = self.layer_function(x, layers[il], positions, kv_of(il), out_from if il == run[-1] else 0,
                                     *self.layer_args(il, tables))
-        return x
+        return x if run else x[out_from:]
 
     def output_logits(self, x: np.ndarray, output) -> np.ndarray:
         """Logits (T, V) of hidden states x (T, E): final norm, output product (its packed tuple)."""

@@ -65,7 +65,7 @@ class TensorConverter:
 
     def __call__(self, t: TensorPlan) -> np.ndarray:
         """The tensor's bytes in its target type, (rows, row_bytes) uint8; valid until the next call."""
-        raw = self.gf.raw(t.name)
+        raw = self.gf.raw(t.source)
         if not t.converts:
             return raw
         src, kind = source_rows(t.src, raw, t.shape[0])

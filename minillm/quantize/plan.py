@@ -50,6 +50,7 @@ _CATEGORY_FRAGMENTS = ((ATTN_QKV, "attn_qkv.weight"), (ATTN_KV_B, "attn_kv_b.wei
                        (FFN_GATE, "ffn_gate"), (FFN_DOWN, "ffn_down"))
 ATTN_V_LIKE = (ATTN_V, ATTN_QKV, ATTN_KV_B)
 _LAYER = re.compile(r"blk\.\s*([+-]?\d+)")
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class PlanOptions:
     output_tensor_type: Format | None = None
     token_embedding_type: Format | None = None
     tensor_types: tuple[tuple[re.Pattern, Format], ...] = ()
+    prune_layers: tuple[int, ...] = ()          # sorted, unique
 
 
 @dataclass(frozen=True)
@@ -95,11 +97,15 @@ class ModelFacts:
 
 @dataclass
 class TensorPlan:
-    name: str
+    name: str                # in the output file (layers renumbered after pruning)
     shape: tuple[int, ...]   # GGUF order, trailing 1s dropped (ggml_n_dims)
     src: Format
     dst: Format
     n_elements: int
+    source: str = ""         # in the input file, when it differs from name
+
+    def __post_init__(self):
+        self.source = self.source or self.name
 
     @property
     def converts(self) -> bool:
@@ -124,6 +130,7 @@ class Plan:
     tensors: list[TensorPlan]                  # in output order
     warnings: list[str] = field(default_factory=list)
     n_fallback: int = 0
+    n_layer_kept: int | None = None            # block_count after --prune-layers
 
 
 def layer_index(name: str) -> int:
@@ -174,14 +181,14 @@ class _Planner:
     """llama_tensor_get_type with its state (quantize_state_impl): call target() once per
     tensor, in llama.cpp's order."""
 
-    def __init__(self, gf: GGUFFile, file_type: FileType, opts: PlanOptions):
+    def __init__(self, gf: GGUFFile, file_type: FileType, opts: PlanOptions, names: list[str]):
         self.facts = ModelFacts.from_gguf(gf)
         self.ftype = file_type.name
         self.default = file_type.default_format
         self.opts = opts
-        self.tied_embeddings = "output.weight" not in gf.tensors
-        self.n_attention_wv = sum(category(n) in ATTN_V_LIKE for n in gf.tensors)
-        self.n_layer = self.facts.n_layer            # n_ffn_down = n_ffn_gate = n_ffn_up
+        self.tied_embeddings = "output.weight" not in names
+        self.n_attention_wv = sum(category(n) in ATTN_V_LIKE for n in names)
+        self.n_layer = self.facts.n_layer            # n_ffn_down = n_ffn_gate = n_ffn_up, unpruned
         self.i_attention_wv = self.i_ffn_down = self.i_ffn_gate = self.i_ffn_up = 0
         self.n_fallback = 0
         self.warnings: list[str] = []
@@ -302,14 +309,40 @@ class _Planner:
 
 def make_plan(gf: GGUFFile, file_type: FileType, opts: PlanOptions) -> Plan:
     """Every tensor's source and target type, in the order the output file will hold them."""
-    planner = _Planner(gf, file_type, opts)
+    renamed, n_kept = prune_layers(llama_order(gf.tensors), opts.prune_layers, ModelFacts.from_gguf(gf).n_layer)
+    planner = _Planner(gf, file_type, opts, [new for _, new in renamed])
     tensors = []
-    for name in llama_order(gf.tensors):
-        info: TensorInfo = gf.tensors[name]
+    for source, name in renamed:
+        info: TensorInfo = gf.tensors[source]
         shape = ggml_shape(info.shape)
         dst = planner.target(name, shape, info.format)
         if shape[0] % dst.block_size:
             raise MinillmError(f"tensor {name}: {shape[0]} columns are not a multiple of "
                                f"{dst.name}'s block size {dst.block_size}")
-        tensors.append(TensorPlan(name, shape, info.format, dst, info.n_elements))
-    return Plan(file_type, tensors, planner.warnings, planner.n_fallback)
+        tensors.append(TensorPlan(name, shape, info.format, dst, info.n_elements, source))
+    return Plan(file_type, tensors, planner.warnings, planner.n_fallback, n_kept)
+
+
+def prune_layers(names: list[str], prune: tuple[int, ...], n_layer: int):
+    """([(input name, output name)] without the pruned layers' tensors, the layers kept or None
+    when nothing is pruned). The kept layers are renumbered 0, 1, ... in order, as llama-quantize
+    --prune-layers does (its remap_layer over names in llama.cpp's order)."""
+    if not prune:
+        return [(n, n) for n in names], None
+    bad = [i for i in prune if not 0 <= i < n_layer]
+    if bad:
+        raise MinillmError(f"--prune-layers: the model has layers 0-{n_layer - 1}; no layer {bad[0]}")
+    if len(prune) >= n_layer:
+        raise MinillmError(f"--prune-layers would remove all {n_layer} layers")
+    new_index = {}
+    for old in range(n_layer):
+        if old not in prune:
+            new_index[old] = len(new_index)
+    renamed = []
+    for name in names:
+        m = _BLOCK.match(name)
+        if m is None:
+            renamed.append((name, name))
+        elif int(m.group(1)) in new_index:
+            renamed.append((name, f"blk.{new_index[int(m.group(1))]}.{name[m.end():]}"))
+    return renamed, len(new_index)

@@ -118,18 +118,20 @@ def _check_requantize(plan: Plan, allow: bool, log: Callable[[str], None]) -> No
 
 def quantize(in_path, out_path, type_name, *, allow_requantize: bool = False, pure: bool = False,
              leave_output_tensor: bool = False, output_tensor_type=None, token_embedding_type=None,
-             tensor_types: Iterable = (), threads: int | None = None, dry_run: bool = False,
-             progress: bool = False, log: Callable[[str], None] | None = None) -> QuantizeSummary:
+             tensor_types: Iterable = (), prune_layers: Iterable[int] = (), threads: int | None = None,
+             dry_run: bool = False, progress: bool = False, log: Callable[[str], None] | None = None) -> QuantizeSummary:
     """Quantize the GGUF model at in_path to out_path as type_name (llama-quantize's TYPE: a
     name such as "Q4_K_M" or its numeric id). Returns a QuantizeSummary. Raises MinillmError
     for a bad type, pattern or input, OUT equal to IN, or requantizing without permission.
+    prune_layers: layer numbers to leave out (the rest renumbered in order).
     OUT appears only when complete: an interrupted or failed run leaves no file behind."""
     log = log or (lambda message: None)
     file_type = parse_file_type(type_name)
     opts = PlanOptions(pure=pure, leave_output_tensor=leave_output_tensor,
                        output_tensor_type=_tensor_type(output_tensor_type),
                        token_embedding_type=_tensor_type(token_embedding_type),
-                       tensor_types=parse_tensor_type_overrides(tensor_types))
+                       tensor_types=parse_tensor_type_overrides(tensor_types),
+                       prune_layers=tuple(sorted(set(prune_layers))))
     in_path = Path(in_path)
     out_path = Path(out_path) if out_path is not None else None
     if not dry_run:
@@ -159,7 +161,7 @@ def _write(gf: GGUFFile, plan: Plan, out_path: Path, threads: int | None, progre
     convert = TensorConverter(gf, plan.tensors)
     try:
         with AtomicOutput(out_path) as out:
-            out.write(build_header(gf, plan.tensors, plan.file_type.ftype, alignment))
+            out.write(build_header(gf, plan.tensors, plan.file_type.ftype, alignment, plan.n_layer_kept))
             for t in plan.tensors:
                 bar.set_postfix_str(t.name, refresh=False)
                 write_array(out, convert(t), alignment)

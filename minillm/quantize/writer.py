@@ -79,11 +79,16 @@ def _align(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
-def build_header(gf: GGUFFile, tensors: list[TensorPlan], ftype: int, alignment: int) -> bytes:
-    """Everything before the tensor data, padded to the alignment."""
-    kvs = [blob for key, blob in metadata_blobs(gf) if key not in SPLIT_KEYS + SET_KEYS]
+def build_header(gf: GGUFFile, tensors: list[TensorPlan], ftype: int, alignment: int,
+                 n_layer: int | None = None) -> bytes:
+    """Everything before the tensor data, padded to the alignment. n_layer: the block count
+    after pruning (set last, as llama-quantize does), None to copy the input's."""
+    replaced = SET_KEYS + ((f"{gf.architecture}.block_count",) if n_layer is not None else ())
+    kvs = [blob for key, blob in metadata_blobs(gf) if key not in SPLIT_KEYS + replaced]
     kvs += [_kv_u32("general.quantization_version", QUANTIZATION_VERSION),
             _kv_u32("general.file_type", ftype)]
+    if n_layer is not None:
+        kvs.append(_kv_u32(f"{gf.architecture}.block_count", n_layer))
     parts = [b"GGUF", struct.pack("<IQQ", GGUF_VERSION, len(tensors), len(kvs)), *kvs]
     offset = 0
     for t in tensors:
