@@ -64,6 +64,17 @@ def tiny_llama(tmp_path):
                           head_dim=32, n_ff=128, n_vocab=40).build().write(tmp_path / "tiny.gguf")
 
 
+@pytest.fixture(scope="session")
+def smollm2_f16(tmp_path_factory):
+    """SmolLM2's Q4_1 file requantized to F16 (bit-identical to llama-quantize's, test_quantize)."""
+    from minillm.quantize import quantize
+
+    out = tmp_path_factory.mktemp("quant") / "smollm2-f16.gguf"
+    summary = quantize(model_path("smollm2"), out, "F16", allow_requantize=True)
+    assert summary.n_requantized == 211
+    return out
+
+
 # lines that tests want shown in the run's output (measured figures), printed at the end
 REPORT: list[str] = []
 

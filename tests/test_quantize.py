@@ -454,14 +454,6 @@ def compare_with_golden(path, key: str) -> tuple[int, int, list]:
     return same_type, identical, differ
 
 
-@pytest.fixture(scope="module")
-def smollm2_f16(tmp_path_factory):
-    out = tmp_path_factory.mktemp("quant") / "smollm2-f16.gguf"
-    summary = quantize(model_path("smollm2"), out, "F16", allow_requantize=True)
-    assert summary.n_requantized == 211
-    return out
-
-
 @pytest.mark.slow
 def test_smollm2_requantize_needs_the_flag(tmp_path):
     with pytest.raises(MinillmError, match="--allow-requantize"):
