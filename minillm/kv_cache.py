@@ -15,6 +15,43 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import MinillmError
+
+# llama.cpp's -ctk/-ctv names -> (cache dtype, row length for head_dim values): F16 as bit
+# patterns, the block formats as their bytes (kernels/cpu/attention_q.py)
+CACHE_TYPES = {
+    "f16": (np.uint16, lambda head_dim: head_dim),
+    "q8_0": (np.uint8, lambda head_dim: head_dim // 32 * 34),
+    "q4_0": (np.uint8, lambda head_dim: head_dim // 32 * 18),
+}
+F16_CACHE = ("f16", "f16")
+
+
+def check_cache_types(types: tuple[str, str], head_dim: int) -> tuple[str, str]:
+    """(K type, V type) as given to -ctk/-ctv, checked: known names, both F16 or both quantized
+    (the mixed kernels are not built), and heads of whole 32-value blocks."""
+    types = tuple(t.lower() for t in types)
+    for name, flag in zip(types, ("--cache-type-k", "--cache-type-v")):
+        if name not in CACHE_TYPES:
+            raise MinillmError(f"{flag} {name}: expected one of {', '.join(CACHE_TYPES)}")
+    if (types[0] == "f16") != (types[1] == "f16"):
+        raise MinillmError(f"K and V caches of types {types[0]} and {types[1]}: both f16, or both quantized "
+                           "(q8_0, q4_0), are supported")
+    if types[0] != "f16" and head_dim % 32:
+        raise MinillmError(f"a quantized KV cache needs heads of a multiple of 32 values; this model's have {head_dim}")
+    return types
+
+
+def cache_array(n_rows: int, n_head_kv: int, head_dim: int, cache_type: str) -> np.ndarray:
+    """(n_rows, n_head_kv, row length) zeros for one layer's keys or values."""
+    dtype, row = CACHE_TYPES[cache_type]
+    return np.zeros((n_rows, n_head_kv, row(head_dim)), dtype)
+
+
+def cache_bytes(n_cells: int, n_head_kv: int, head_dim: int, cache_type: str) -> int:
+    dtype, row = CACHE_TYPES[cache_type]
+    return n_cells * n_head_kv * row(head_dim) * np.dtype(dtype).itemsize
+
 
 class CacheGroup:
     def __init__(self, n_slots: int, n_keep: int, window: int = 0):
@@ -42,18 +79,25 @@ class KVCache:
     """Keys and values for every layer; `layer_groups[il]` names the group of layer il."""
 
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, group_sizes: dict[str, int],
-                 layer_groups: list[str], n_keep: int = 0, windows: dict[str, int] | None = None):
+                 layer_groups: list[str], n_keep: int = 0, windows: dict[str, int] | None = None,
+                 cache_types: tuple[str, str] = F16_CACHE):
         # sinks only matter where attention is unlimited; windowed groups never see them
         windows = windows or {}
         self.groups = {name: CacheGroup(size, min(n_keep, size // 2) if name == "global" else 0,
                                         windows.get(name, 0))
                        for name, size in group_sizes.items()}
         self.layer_groups = layer_groups
-        # per layer: (S, Hkv, D) uint16, float16 bit patterns (llama.cpp's F16 cache), S = its group's size
-        self.k = [np.zeros((group_sizes[g], n_head_kv, head_dim), np.uint16) for g in layer_groups]
-        self.v = [np.zeros((group_sizes[g], n_head_kv, head_dim), np.uint16) for g in layer_groups]
+        # per layer: (S, Hkv, D) uint16, float16 bit patterns (llama.cpp's F16 cache), or
+        # (S, Hkv, D/32 * block bytes) uint8 for q8_0/q4_0; S = its group's size
+        self.cache_types = cache_types
+        self.k = [cache_array(group_sizes[g], n_head_kv, head_dim, cache_types[0]) for g in layer_groups]
+        self.v = [cache_array(group_sizes[g], n_head_kv, head_dim, cache_types[1]) for g in layer_groups]
         self.n_past = 0      # tokens evaluated so far: the next token's logical position
         self._slots = {}     # group -> slots of the batch being evaluated
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k + self.v)
 
     @property
     def n_ctx(self) -> int:

@@ -12,7 +12,7 @@ import numpy as np
 from .arch import get_architecture
 from .errors import MinillmError
 from .gguf_file import GGUFFile
-from .kv_cache import KVCache
+from .kv_cache import F16_CACHE, KVCache, check_cache_types
 from .memory import release_compiler_pages
 
 DEFAULT_BATCH = 512
@@ -50,7 +50,8 @@ def default_threads() -> int:
 class Model:
     """A loaded model. `logits(ids)` evaluates a fresh sequence."""
 
-    def __init__(self, path: str | os.PathLike, threads: int | None = None, progress=None, device: str = "cpu"):
+    def __init__(self, path: str | os.PathLike, threads: int | None = None, progress=None, device: str = "cpu",
+                 cache_types: tuple[str, str] = F16_CACHE):
         t0 = time.perf_counter()
         release_compiler_pages()  # the compiler is initialized (by the imports): drop it before the weights
         self.path = Path(path)
@@ -60,6 +61,9 @@ class Model:
         self.arch = get_architecture(self.gguf.architecture)(self.gguf)
         self.hp = self.arch.hp
         self.device = resolve_device(device)
+        self.cache_types = check_cache_types(cache_types, self.hp.head_dim)  # (K, V): -ctk, -ctv
+        if self.device == "cuda" and self.cache_types != F16_CACHE:
+            raise MinillmError("a quantized KV cache runs on the CPU only: pass --device cpu, or leave -ctk/-ctv at f16")
         self.backend = None  # the CUDA backend (weights on the GPU), or None: the CPU
         if self.device == "cuda":
             from .backend_cuda import CudaBackend
@@ -100,7 +104,8 @@ class Model:
             return self.backend.new_cache(n_ctx, n_keep, batch_size)
         hp = self.hp
         sizes, layout = self.arch.cache_layout(n_ctx, min(batch_size, n_ctx))
-        return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, sizes, layout, n_keep, self.arch.cache_windows())
+        return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, sizes, layout, n_keep, self.arch.cache_windows(),
+                       self.cache_types)
 
     def eval(self, ids, cache: KVCache, logits_from: int = 0, batch_size: int = DEFAULT_BATCH) -> np.ndarray:
         """Append ids to cache in batches; logits (len(ids) - logits_from, n_vocab)."""

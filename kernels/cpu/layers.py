@@ -12,9 +12,12 @@ import math
 
 import numba as nb
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from . import ops
 from .attention import attention, attention_rows
+from .attention_q import attention_quantized, hadamard_rotated, rotation_size, store_kv_quantized
 from .f16 import f16_round
 from .lanes import qmatmul_lanes, qmatmul_lanes3
 from .matmul import KIND_Q8_1, PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, ROW_BY_ROW, qmatmul_q4_k, qmatmul_q6_k, qmatmul_tiles, quantize_act
@@ -172,17 +175,46 @@ NO_PAGING = (np.zeros(0, np.int64), np.zeros((0, 0), np.int64), -1, 0)
 def attend(q, k, v, positions, kv, window, scale, softcap, n_heads, n_kv_heads, head_dim):
     """Store this batch's k/v at their slots, then attention of q over the cache."""
     kcache, vcache, kv_pos, slots, n_keep, paging = kv
-    row_seq, tables, shift, n_slots = paging
-    ops.store_kv(k, v, slots, n_kv_heads, head_dim, kcache, vcache)
     for i in range(slots.shape[0]):
         kv_pos[slots[i]] = positions[i]
     out = np.empty((q.shape[0], n_heads * head_dim), np.float32)
-    if row_seq.shape[0] == 0:
-        attention(q, positions, kcache, vcache, kv_pos, n_keep, window, scale, softcap, n_heads, out)
-    else:
-        attention_rows(q, positions, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, softcap,
-                       n_heads, out)
+    _store_and_attend(q, k, v, positions, kcache, vcache, kv_pos, slots, n_keep, paging, window, scale, softcap,
+                      n_heads, n_kv_heads, head_dim, out)
     return out
+
+
+def _store_and_attend(q, k, v, positions, kcache, vcache, kv_pos, slots, n_keep, paging, window, scale, softcap,
+                      n_heads, n_kv_heads, head_dim, out):
+    """The cache's own kernels: F16 (uint16 caches) or q8_0/q4_0 blocks (uint8 caches)."""
+
+
+@overload(_store_and_attend, inline="always")
+def _store_and_attend_impl(q, k, v, positions, kcache, vcache, kv_pos, slots, n_keep, paging, window, scale, softcap,
+                           n_heads, n_kv_heads, head_dim, out):
+    if kcache.dtype == types.uint8:
+        def quantized(q, k, v, positions, kcache, vcache, kv_pos, slots, n_keep, paging, window, scale, softcap,
+                      n_heads, n_kv_heads, head_dim, out):
+            row_seq, tables, shift, n_slots = paging
+            n_rot_k, n_rot_v = rotation_size(head_dim, True), rotation_size(head_dim, False)
+            store_kv_quantized(hadamard_rotated(k, n_rot_k), hadamard_rotated(v, n_rot_v), slots, n_kv_heads, head_dim,
+                               kcache, vcache)
+            rotated = np.empty_like(out)
+            attention_quantized(hadamard_rotated(q, n_rot_k), positions, row_seq, tables, shift,
+                                n_slots if row_seq.shape[0] else kcache.shape[0], n_keep, kcache, vcache, kv_pos, window,
+                                scale, softcap, n_heads, head_dim, rotated)
+            out[:] = hadamard_rotated(rotated, n_rot_v)
+        return quantized
+
+    def f16(q, k, v, positions, kcache, vcache, kv_pos, slots, n_keep, paging, window, scale, softcap,
+            n_heads, n_kv_heads, head_dim, out):
+        row_seq, tables, shift, n_slots = paging
+        ops.store_kv(k, v, slots, n_kv_heads, head_dim, kcache, vcache)
+        if row_seq.shape[0] == 0:
+            attention(q, positions, kcache, vcache, kv_pos, n_keep, window, scale, softcap, n_heads, out)
+        else:
+            attention_rows(q, positions, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale,
+                           softcap, n_heads, out)
+    return f16
 
 
 # ---- the operations an architecture's layer is written in (kernels/cuda/layers.py has the

@@ -43,6 +43,14 @@ int main(int argc, char ** argv) {
     auto cp = llama_context_default_params();
     cp.n_ctx = 4096; cp.n_batch = 4096; cp.n_threads = threads; cp.n_threads_batch = threads;
     cp.cb_eval = cb; cp.cb_eval_user_data = nullptr;
+    // DUMP_CTK / DUMP_CTV = f16 | q8_0 | q4_0: the KV cache types (-ctk / -ctv)
+    auto cache_type = [](const char * name, ggml_type fallback) {
+        if (!name) return fallback;
+        std::string s(name);
+        return s == "q8_0" ? GGML_TYPE_Q8_0 : s == "q4_0" ? GGML_TYPE_Q4_0 : GGML_TYPE_F16;
+    };
+    cp.type_k = cache_type(getenv("DUMP_CTK"), cp.type_k);
+    cp.type_v = cache_type(getenv("DUMP_CTV"), cp.type_v);
     llama_context * ctx = llama_init_from_model(model, cp);
     const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
     FILE * lg = fopen((std::string(argv[3]) + ".logits").c_str(), "wb");

@@ -1,0 +1,243 @@
+"""Attention over a quantized KV cache (-ctk/-ctv q8_0 or q4_0), computed as ggml's CPU
+flash_attn_ext computes it then: with a quantized K or V ggml takes neither its tiled nor its
+split path, so every query row (prefill, decode, a scheduler's row) is "one chunk":
+
+    the query head is quantized to q8_0 (ggml's x86 quantize_row_q8_0);
+    score = vec_dot(K row, query) (ggml_vec_dot_q8_0_q8_0 / _q4_0_q8_0: per 32-block the
+            integer sums of 8 lanes of 4 values, acc[l] = fma(d_k * d_q, sum, acc[l]), then
+            hsum_float_8), times the scale, soft-capped;
+    online softmax cell by cell with the V sum in float32: a new maximum rescales the sum
+            (VKQ *= exp(M_old - M)), then VKQ = fma(v, weight, VKQ) with v the dequantized row.
+
+Keys and values are written as ggml's set_rows writes them: q8_0 with the CPU's
+quantize_row_q8_0 (d = amax/127, codes rint(x * 127/amax)), q4_0 with quantize_row_q4_0_ref.
+
+Before that, llama.cpp rotates (its "attention rotation", llama-kv-cache.cpp): with a quantized K
+the queries and keys, with a quantized V the values, are multiplied by an orthonormal
+Walsh-Hadamard matrix in pieces of n values (K: 64, doubled while the head size allows; V: 64),
+which spreads outliers across a block before it is quantized; the attention output is rotated
+back with V's matrix. ggml computes the product as a fast transform (ggml_compute_forward_fwht):
+scale by 1/sqrt(n) first, then the butterflies u + v, u - v, each rounded once.
+
+Shapes: kcache/vcache (S, Hkv, D/32 * block bytes) uint8, each head's row the blocks of its D
+values; cells, slots and masks as kernels/cpu/attention.py.
+"""
+import math
+
+import numba as nb
+import numpy as np
+
+from .attention import _first_cell, _heads_per_job, _NO_TABLE, _capped, _ring_start, _row, _slot, _visible
+from .f16 import f16_bits, f16_round
+from .fma import fma
+from .quantize_scalar import _block_q4_0
+from .unpack import F16_TO_F32
+
+KV_Q8_0, KV_Q4_0 = 1, 2
+BLOCK_BYTES = {KV_Q8_0: 34, KV_Q4_0: 18}
+
+_PAR = dict(parallel=True, cache=True, nogil=True)
+_SER = dict(cache=True, nogil=True)
+_INLINE = dict(inline="always", cache=True, nogil=True)
+
+
+@nb.njit(**_INLINE)
+def rotation_size(head_dim, keys):
+    """llama.cpp's Hadamard piece for K (the largest power-of-two multiple of 64 dividing the
+    head) or V (64); 0 when the head is not a multiple of 64 (no rotation)."""
+    if head_dim % 64:
+        return 0
+    n = 64
+    while keys and head_dim % (2 * n) == 0:
+        n *= 2
+    return n
+
+
+@nb.njit(**_SER)
+def hadamard_rotated(x, n):
+    """A copy of x (T, W) with every piece of n values (W a multiple of n) multiplied by the
+    orthonormal Walsh-Hadamard matrix, as ggml's fast transform rounds it."""
+    out = x.copy()
+    if n == 0:
+        return out
+    scale = np.float32(1.0) / np.float32(math.sqrt(np.float32(n)))
+    T, W = out.shape
+    for t in range(T):
+        for c in range(0, W, n):
+            for j in range(n):
+                out[t, c + j] = out[t, c + j] * scale
+            span = 1
+            while span < n:
+                for i in range(c, c + n, 2 * span):
+                    for j in range(i, i + span):
+                        u, v = out[t, j], out[t, j + span]
+                        out[t, j] = u + v
+                        out[t, j + span] = u - v
+                span *= 2
+    return out
+
+
+@nb.njit(**_INLINE)
+def kv_type_of(row_bytes, D):
+    """The block format of a cache whose rows of D values take row_bytes bytes."""
+    return KV_Q8_0 if row_bytes == D // 32 * 34 else KV_Q4_0
+
+
+@nb.njit(**_INLINE)
+def _f16_at(y, o):
+    return F16_TO_F32[np.int64(y[o]) | (np.int64(y[o + 1]) << 8)]
+
+
+@nb.njit(**_INLINE)
+def _block_q8_0_x86(x, i0, y, o):
+    """ggml's x86 quantize_row_q8_0 of 32 values: d = amax/127 (f16), q = rint(x * 127/amax)."""
+    amax = np.float32(0.0)
+    for j in range(32):
+        amax = max(amax, abs(x[i0 + j]))
+    h = f16_bits(amax / np.float32(127.0))
+    y[o], y[o + 1] = np.uint8(h & 0xFF), np.uint8(h >> 8)
+    inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
+    for j in range(32):
+        y[o + 2 + j] = np.uint8(np.int32(np.rint(x[i0 + j] * inv)) & 0xFF)
+
+
+@nb.njit(**_SER)
+def store_kv_quantized(k, v, slots, n_kv_heads, head_dim, kcache, vcache):
+    """Write k, v (T, Hkv*D) into cache rows `slots`, each head's D values as blocks."""
+    k_type = kv_type_of(kcache.shape[2], head_dim)
+    v_type = kv_type_of(vcache.shape[2], head_dim)
+    for t in range(k.shape[0]):
+        s = slots[t]
+        for h in range(n_kv_heads):
+            for b in range(head_dim // 32):
+                i0 = h * head_dim + 32 * b
+                if k_type == KV_Q8_0:
+                    _block_q8_0_x86(k[t], i0, kcache[s, h], 34 * b)
+                else:
+                    _block_q4_0(k[t], i0, kcache[s, h], 18 * b)
+                if v_type == KV_Q8_0:
+                    _block_q8_0_x86(v[t], i0, vcache[s, h], 34 * b)
+                else:
+                    _block_q4_0(v[t], i0, vcache[s, h], 18 * b)
+
+
+@nb.njit(**_INLINE)
+def _code(y, o, k_type, j):
+    """Value j (0..31) of the block at y[o] as a signed integer code."""
+    if k_type == KV_Q8_0:
+        return np.int32(np.int8(y[o + 2 + j]))
+    byte = np.int32(y[o + 2 + (j & 15)])
+    return (byte & 15 if j < 16 else byte >> 4) - 8
+
+
+@nb.njit(**_INLINE)
+def _dot(k, at, k_type, qq, qd, g, D):
+    """ggml_vec_dot_{q8_0,q4_0}_q8_0 of the K row at k[at] and query g (codes qq[g], block
+    scales qd[g]), as ggml's AVX2 code: 8 lanes of 4 values, fma per block, hsum_float_8."""
+    nbytes = 34 if k_type == KV_Q8_0 else 18
+    acc = np.zeros(8, np.float32)
+    for b in range(D // 32):
+        o = at + nbytes * b
+        d = _f16_at(k, o) * qd[g, b]
+        for lane in range(8):
+            isum = 0
+            for j in range(4 * lane, 4 * lane + 4):
+                isum += _code(k, o, k_type, j) * qq[g, 32 * b + j]
+            acc[lane] = fma(d, np.float32(isum), acc[lane])
+    return ((acc[4] + acc[0]) + (acc[6] + acc[2])) + ((acc[5] + acc[1]) + (acc[7] + acc[3]))
+
+
+@nb.njit(**_INLINE)
+def _dequantize(v, at, v_type, D, out):
+    """dequantize_row_q8_0 / _q4_0 of the V row at v[at] into out (D,)."""
+    nbytes = 34 if v_type == KV_Q8_0 else 18
+    for b in range(D // 32):
+        o = at + nbytes * b
+        d = _f16_at(v, o)
+        for j in range(32):
+            out[32 * b + j] = np.float32(_code(v, o, v_type, j)) * d
+
+
+@nb.njit(**_INLINE)
+def _queries_q8_0(q, t, h0, G, D):
+    """ggml's x86 quantize_row_q8_0 of the G query heads from h0 of token t: (codes (G, D)
+    int32, block scales (G, D/32) float32 as the f16 values)."""
+    qq = np.empty((G, D), np.int32)
+    qd = np.empty((G, D // 32), np.float32)
+    for g in range(G):
+        base = (h0 + g) * D
+        for b in range(D // 32):
+            amax = np.float32(0.0)
+            for j in range(32):
+                amax = max(amax, abs(q[t, base + 32 * b + j]))
+            qd[g, b] = f16_round(amax / np.float32(127.0))
+            inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
+            for j in range(32):
+                qq[g, 32 * b + j] = np.int32(np.rint(q[t, base + 32 * b + j] * inv))
+    return qq, qd
+
+
+@nb.njit(**_SER)
+def _one_chunk_q(qq, qd, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, table, shift, kvh, window, scale,
+                 softcap, out, t, h0):
+    """ggml's one_chunk for the G heads of (qq, qd) sharing KV head kvh, over every cell a query
+    at pos sees; writes the normalized result of head h0 + g to out[t]."""
+    G, D = qq.shape
+    P, H, RK = kcache.shape
+    RV = vcache.shape[2]
+    k_type, v_type = kv_type_of(RK, D), kv_type_of(RV, D)
+    k, v = kcache.reshape(P * H * RK), vcache.reshape(P * H * RV)
+    acc = np.zeros((G, D), np.float32)
+    m = np.full(G, -np.inf, np.float32)
+    s_sum = np.zeros(G, np.float32)
+    vrow = np.empty(D, np.float32)
+    ring_start = _ring_start(newest, n_keep, n_slots)
+    cell = _first_cell(pos, window)
+    while cell <= pos:
+        if n_keep <= cell < ring_start:  # forgotten: skip to the ring's oldest position
+            cell = ring_start
+            continue
+        c = cell
+        cell += 1
+        row = _row(_slot(c, n_keep, n_slots), table, shift)
+        if not _visible(c, row, kv_pos, pos, window):
+            continue
+        _dequantize(v, (row * H + kvh) * RV, v_type, D, vrow)
+        for g in range(G):
+            score = _capped(_dot(k, (row * H + kvh) * RK, k_type, qq, qd, g, D) * scale, softcap)
+            if score > m[g]:
+                ms = np.float32(math.exp(m[g] - score))
+                m[g] = score
+                for d in range(D):
+                    acc[g, d] = acc[g, d] * ms + vrow[d]
+                s_sum[g] = fma(s_sum[g], ms, np.float32(1.0))
+            else:
+                vs = np.float32(math.exp(score - m[g]))
+                for d in range(D):
+                    acc[g, d] = fma(vrow[d], vs, acc[g, d])
+                s_sum[g] = s_sum[g] + vs
+    for g in range(G):
+        inv = np.float32(1.0) / s_sum[g] if s_sum[g] != 0 else np.float32(0.0)
+        for d in range(D):
+            out[t, (h0 + g) * D + d] = acc[g, d] * inv
+
+
+@nb.njit(**_PAR)
+def attention_quantized(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale,
+                        softcap, n_heads, head_dim, out):
+    """out (T, H*D): every row of q as a lone query over its sequence's cells: its own cache
+    (row_seq empty, n_slots the cache's slots) or a shared pool through block tables
+    (attention.attention_rows); the result of a row never depends on the others."""
+    T, D = q.shape[0], head_dim
+    group = n_heads // kcache.shape[1]
+    if softcap != 0:
+        scale = np.float32(scale / softcap)
+    G = _heads_per_job(T * n_heads, group)
+    n_sets = n_heads // G
+    own = row_seq.shape[0] == 0
+    for job in nb.prange(T * n_sets):
+        t, h0 = job // n_sets, (job % n_sets) * G
+        qq, qd = _queries_q8_0(q, t, h0, G, D)
+        table = _NO_TABLE if own else tables[row_seq[t]]
+        _one_chunk_q(qq, qd, q_pos[t], q_pos[-1] if own else q_pos[t], n_keep, n_slots, kcache, vcache, kv_pos, table,
+                     -1 if own else shift, h0 // group, window, scale, softcap, out, t, h0)
