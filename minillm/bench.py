@@ -1,5 +1,6 @@
 """`minillm bench`: load time, prefill and decode throughput, measured like llama-bench
-(pp: a batch of random tokens on an empty cache; tg: one token at a time from position 0)."""
+(pp: a batch of random tokens on an empty cache; tg: one token at a time from position 0; with
+a depth d, both start after d tokens already in the cache, untimed, as llama-bench -d)."""
 from __future__ import annotations
 
 import time
@@ -9,9 +10,10 @@ import numpy as np
 from .model import Model
 
 
-def run_bench(path, n_prompt: int, n_gen: int, reps: int, threads, on_compile=None, device: str = "cpu") -> dict:
+def run_bench(path, n_prompt: int, n_gen: int, reps: int, threads, on_compile=None, device: str = "cpu",
+              cache_types=("f16", "f16"), depth: int = 0) -> dict:
     t0 = time.perf_counter()
-    model = Model(path, threads=threads, device=device)
+    model = Model(path, threads=threads, device=device, cache_types=cache_types)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     n_ctx = max(n_prompt, n_gen) + 1
@@ -19,27 +21,37 @@ def run_bench(path, n_prompt: int, n_gen: int, reps: int, threads, on_compile=No
     model.eval(rng.integers(0, model.n_vocab, size=min(8, n_ctx)), model.new_cache(n_ctx), logits_from=7)
 
     result = {"model": model.path.name, "device": model.device, "threads": model.threads, "load_s": round(load_s, 3),
-              "n_prompt": n_prompt, "n_gen": n_gen}
+              "n_prompt": n_prompt, "n_gen": n_gen, "depth": depth, "cache_type_k": model.cache_types[0],
+              "cache_type_v": model.cache_types[1],
+              "kv_cache_bytes": model.new_cache(depth + max(n_prompt, n_gen)).nbytes}
     if n_prompt:
-        best = min(_time_prefill(model, rng, n_prompt) for _ in range(reps))
+        best = min(_time_prefill(model, rng, n_prompt, depth) for _ in range(reps))
         result["pp_tokens_per_s"] = round(n_prompt / best, 2)
     if n_gen:
-        best = min(_time_decode(model, rng, n_gen) for _ in range(reps))
+        best = min(_time_decode(model, rng, n_gen, depth) for _ in range(reps))
         result["tg_tokens_per_s"] = round(n_gen / best, 2)
     return result
 
 
-def _time_prefill(model: Model, rng, n: int) -> float:
+def _filled_cache(model: Model, rng, depth: int, n: int):
+    """A cache for depth + n tokens, holding depth random ones (untimed)."""
+    cache = model.new_cache(depth + n)
+    if depth:
+        model.eval(rng.integers(0, model.n_vocab, size=depth), cache, logits_from=depth)
+    return cache
+
+
+def _time_prefill(model: Model, rng, n: int, depth: int = 0) -> float:
+    cache = _filled_cache(model, rng, depth, n)
     ids = rng.integers(0, model.n_vocab, size=n)
-    cache = model.new_cache(n)
     t = time.perf_counter()
     model.eval(ids, cache, logits_from=n - 1)
     return time.perf_counter() - t
 
 
-def _time_decode(model: Model, rng, n: int) -> float:
+def _time_decode(model: Model, rng, n: int, depth: int = 0) -> float:
+    cache = _filled_cache(model, rng, depth, n)
     ids = rng.integers(0, model.n_vocab, size=n)
-    cache = model.new_cache(n)
     t = time.perf_counter()
     for i in range(n):
         model.eval(ids[i:i + 1], cache)

@@ -11,6 +11,7 @@ from typing import Optional
 
 import typer
 
+from .cli_generate import CACHE_TYPE_K, CACHE_TYPE_V
 from .errors import MinillmError
 
 app = typer.Typer(
@@ -34,7 +35,7 @@ def compile_notice():
     return compile_progress(_err)
 
 
-def load_model(path: Path, threads: Optional[int], device: str):
+def load_model(path: Path, threads: Optional[int], device: str, cache_types: tuple[str, str] = ("f16", "f16")):
     """A command's start: the model loaded and warmed up, its tokenizer built. Python's cycle
     collector is off until then (main): starting creates ~10^5 long-lived objects (Numba's
     registries, the vocabulary) and each full collection over them cost 20-50 ms of a cold
@@ -42,7 +43,7 @@ def load_model(path: Path, threads: Optional[int], device: str):
     from .model import Model
 
     try:
-        m = Model(path, threads=threads, device=device)
+        m = Model(path, threads=threads, device=device, cache_types=cache_types)
         m.warm_up(on_compile=compile_notice)
         m.tokenizer  # noqa: B018 (built while the collector is off)
     finally:
@@ -92,6 +93,10 @@ def bench(
                                          "model beside plain decoding, on built-in chat prompts.", show_default=False),
     lookup: bool = typer.Option(False, "--lookup", help="Speculative decoding by prompt lookup beside plain "
                                 "decoding, on built-in chat prompts."),
+    depth: int = typer.Option(0, "-d", "--depth", min=0, max=1 << 20,
+                              help="Tokens already in the cache before each test, as llama-bench -d."),
+    cache_type_k: str = CACHE_TYPE_K,
+    cache_type_v: str = CACHE_TYPE_V,
 ):
     """Measure load time, prefill (pp) and decode (tg) speed, like llama-bench."""
     gc.enable()  # off while commands start (main); bench times no start, and may run long
@@ -104,15 +109,18 @@ def bench(
     n_prompt = 512 if n_prompt is None else n_prompt
     from .bench import run_bench
 
-    result = run_bench(model, n_prompt, n_gen, reps, threads, on_compile=compile_notice, device=device)
+    result = run_bench(model, n_prompt, n_gen, reps, threads, on_compile=compile_notice, device=device,
+                       cache_types=(cache_type_k, cache_type_v), depth=depth)
     if as_json:
         print(json.dumps(result))
     else:
-        print(f"model {result['model']}  threads {result['threads']}  load {result['load_s']:.2f} s")
+        at = f" @ d{depth}" if depth else ""
+        print(f"model {result['model']}  threads {result['threads']}  load {result['load_s']:.2f} s  "
+              f"KV cache {cache_type_k}/{cache_type_v} {result['kv_cache_bytes'] / 2**20:.2f} MiB")
         if n_prompt:
-            print(f"pp{n_prompt}: {result['pp_tokens_per_s']:.1f} tokens/s")
+            print(f"pp{n_prompt}{at}: {result['pp_tokens_per_s']:.1f} tokens/s")
         if n_gen:
-            print(f"tg{n_gen}: {result['tg_tokens_per_s']:.1f} tokens/s")
+            print(f"tg{n_gen}{at}: {result['tg_tokens_per_s']:.1f} tokens/s")
 
 
 def _bench_speculative(model: Path, draft: Optional[Path], lookup: bool, n_gen: int, reps: int, threads,
@@ -213,6 +221,8 @@ def perplexity(
                                   "KL divergence, top-1 agreement, perplexity ratio."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=1024, help="Threads."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, or auto."),
+    cache_type_k: str = CACHE_TYPE_K,
+    cache_type_v: str = CACHE_TYPE_V,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Perplexity of a text, with llama-perplexity's protocol; prints `PPL = X`. With
@@ -220,7 +230,7 @@ def perplexity(
     if kld:
         if kld_base is None:
             raise MinillmError("--kl-divergence needs --kl-divergence-base FILE (written by a run with -f)")
-        return _kl_divergence(model, kld_base, threads, device, as_json)
+        return _kl_divergence(model, kld_base, threads, device, (cache_type_k, cache_type_v), as_json)
     if file is None:
         raise MinillmError("no text to score: pass -f FILE")
     from .perplexity import perplexity as run
@@ -229,7 +239,7 @@ def perplexity(
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise MinillmError(f"cannot read {file}: {exc}") from None
-    m = load_model(model, threads, device)
+    m = load_model(model, threads, device, (cache_type_k, cache_type_v))
     with _chunk_bar(as_json) as bar:
         def progress(done, total, ppl):
             bar.total = total
@@ -252,12 +262,12 @@ def _chunk_bar(quiet: bool):
     return tqdm(total=None, unit="chunk", file=sys.stderr, disable=quiet)
 
 
-def _kl_divergence(model: Path, base: Path, threads, device: str, as_json: bool) -> None:
+def _kl_divergence(model: Path, base: Path, threads, device: str, cache_types, as_json: bool) -> None:
     from .kl_divergence import BaseFile, mean_and_uncertainty
     from .perplexity import kl_divergence
 
     base_file = BaseFile.open(base)
-    m = load_model(model, threads, device)
+    m = load_model(model, threads, device, cache_types)
     with _chunk_bar(as_json) as bar:
         def progress(done, total, sums):
             bar.total = total

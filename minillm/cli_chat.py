@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from .cli_generate import (
-    API_KEY, CHAT_TEMPLATE, CTX, DEVICE, DRAFT, DRAFT_MAX, DRAFT_MIN, DRAFT_P_MIN, FREQUENCY_PENALTY, LOOKUP,
+    API_KEY, CACHE_TYPE_K, CACHE_TYPE_V, CHAT_TEMPLATE, CTX, DEVICE, DRAFT, DRAFT_MAX, DRAFT_MIN, DRAFT_P_MIN, FREQUENCY_PENALTY, LOOKUP,
     LOOKUP_NGRAM, MIN_P, MODEL_OR_SERVER, PRESENCE_PENALTY, REPEAT_LAST_N, REPEAT_PENALTY, SEED, SERVER, SYSTEM, TEMP,
     THREADS, TOP_K, TOP_P, need_model, sampling_options, speculation_for,
 )
@@ -31,6 +31,8 @@ def register(app: typer.Typer) -> None:
         ctx: Optional[int] = CTX,
         threads: Optional[int] = THREADS,
         device: str = DEVICE,
+        cache_type_k: str = CACHE_TYPE_K,
+        cache_type_v: str = CACHE_TYPE_V,
         system: Optional[str] = SYSTEM,
         chat_template: Optional[Path] = CHAT_TEMPLATE,
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Show tokens/s after each reply."),
@@ -50,7 +52,8 @@ def register(app: typer.Typer) -> None:
 
         need_model(model, server, {"--ctx": ctx is not None, "--threads": threads is not None,
                                    "--device": device != "auto", "--chat-template": chat_template is not None,
-                                   "--draft": draft is not None, "--lookup": lookup})
+                                   "--draft": draft is not None, "--lookup": lookup,
+                                   "--cache-type-k": cache_type_k != "f16", "--cache-type-v": cache_type_v != "f16"})
         params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
                                                    presence_penalty, frequency_penalty, seed))
         if server is not None:
@@ -58,7 +61,7 @@ def register(app: typer.Typer) -> None:
 
             replies = RemoteReplies(ServerClient(server, api_key))
         else:
-            replies = LocalReplies(load_model(model, threads, device), ctx, chat_template)
+            replies = LocalReplies(load_model(model, threads, device, (cache_type_k, cache_type_v)), ctx, chat_template)
             replies.speculation = speculation_for(replies.model, replies.session.n_ctx, draft, lookup, draft_max,
                                                   draft_min, draft_p_min, lookup_ngram, threads)
         session = Chat(replies, params, n_predict=n_predict, system=system, verbose=verbose)

@@ -31,6 +31,9 @@ SEED = typer.Option(None, "--seed", min=0, max=2**63 - 1, help="Random seed (def
 CTX = typer.Option(None, "-c", "--ctx", min=16, max=1 << 20, help="Context size (default: min(4096, the model's)).")
 THREADS = typer.Option(None, "-t", "--threads", min=1, max=1024, help="Threads (default: all cores).")
 SYSTEM = typer.Option(None, "--system", help="System message.")
+CACHE_TYPE_K = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K: f16, q8_0 or q4_0 "
+                            "(llama.cpp's arithmetic; q8_0 halves the cache).")
+CACHE_TYPE_V = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V: f16, q8_0 or q4_0.")
 DEVICE = typer.Option("auto", "--device", help="cpu, cuda, or auto (CUDA when numba-cuda finds a GPU).")
 CHAT_TEMPLATE = typer.Option(None, "--chat-template", help="Jinja chat template file to use instead of the model's.")
 DRAFT = typer.Option(None, "-md", "--draft", help="Speculative decoding: a smaller model of the same vocabulary "
@@ -162,6 +165,8 @@ def register(app: typer.Typer) -> None:
         ctx: Optional[int] = CTX,
         threads: Optional[int] = THREADS,
         device: str = DEVICE,
+        cache_type_k: str = CACHE_TYPE_K,
+        cache_type_v: str = CACHE_TYPE_V,
         chat: bool = typer.Option(False, "--chat", help="Send the prompt as one user message through the chat template."),
         system: Optional[str] = SYSTEM,
         chat_template: Optional[Path] = CHAT_TEMPLATE,
@@ -196,7 +201,9 @@ def register(app: typer.Typer) -> None:
         need_model(model, server, {"--ctx": ctx is not None, "--threads": threads is not None,
                                    "--device": device != "auto", "--chat-template": chat_template is not None,
                                    "--truncate": truncate, "--beams": beams > 1, "--batch-file": batch_file is not None,
-                                   "--draft": draft is not None, "--lookup": lookup})
+                                   "--draft": draft is not None, "--lookup": lookup,
+                                   "--cache-type-k": cache_type_k != "f16", "--cache-type-v": cache_type_v != "f16"})
+        cache_types = (cache_type_k, cache_type_v)
         if (draft is not None or lookup) and (beams > 1 or batch_file is not None):
             raise typer.BadParameter("--draft and --lookup apply to plain generation, not --beams or --batch-file")
 
@@ -206,7 +213,7 @@ def register(app: typer.Typer) -> None:
                                          "or --truncate")
             params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
                                                        presence_penalty, frequency_penalty, seed))
-            m = load_model(model, threads, "cpu" if device == "auto" else device)
+            m = load_model(model, threads, "cpu" if device == "auto" else device, cache_types)
             chat_messages = None
             if chat or system is not None:
                 def chat_messages(text):
@@ -229,7 +236,7 @@ def register(app: typer.Typer) -> None:
             _generate_on_server(server, api_key, messages or text, n_predict, params, stop, ignore_eos, as_json,
                                 verbose)
             return
-        m = load_model(model, threads, device)
+        m = load_model(model, threads, device, cache_types)
         ids = m.prompt_ids(messages or text, template_path=chat_template)
         if beams > 1:
             _print_beam_search(m, ids, n_predict, beams, ctx, ignore_eos, as_json)

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from .cli_generate import CTX, MODEL, THREADS
+from .cli_generate import CACHE_TYPE_K, CACHE_TYPE_V, CTX, MODEL, THREADS
 from .errors import MinillmError
 
 
@@ -49,6 +49,8 @@ def register(app: typer.Typer) -> None:
         scheduling: str = typer.Option("priority", "--scheduling",
                                        help="priority (the request's `priority` field, preempting) or fcfs."),
         threads: Optional[int] = THREADS,
+        cache_type_k: str = CACHE_TYPE_K,
+        cache_type_v: str = CACHE_TYPE_V,
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Log every request on stderr."),
     ):
         """Serve the model over HTTP with OpenAI's API (chat/completions, completions, models)."""
@@ -67,7 +69,8 @@ def register(app: typer.Typer) -> None:
         if not model.is_file():
             raise MinillmError(f"no model file at {model}")
         sock = listen(host, port)
-        state = ServerState(Settings(model, parallel, ctx, batch, max_queue, api_key or None, scheduling, threads))
+        state = ServerState(Settings(model, parallel, ctx, batch, max_queue, api_key or None, scheduling, threads,
+                                        (cache_type_k, cache_type_v)))
         config = uvicorn.Config(build_app(state), lifespan="off", log_level="info" if verbose else "warning",
                                 access_log=verbose, timeout_graceful_shutdown=3, timeout_keep_alive=5)
         server = Server(config, state)
@@ -78,7 +81,8 @@ def register(app: typer.Typer) -> None:
         def ready(state) -> None:
             s = state.scheduler
             _err(f"minillm serve: ready: {state.model_name}, {len(s.slots)} sequences at once, context {s.n_ctx}, "
-                 f"{state.model.threads} threads")
+                 f"{state.model.threads} threads, KV cache {s.pool.nbytes / 2**20:.1f} MiB "
+                 f"({'/'.join(state.model.cache_types)})")
 
         def failed(exc) -> None:
             server.should_exit = True

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .kv_cache import F16_CACHE, cache_array
+
 SHIFT = 4
 BLOCK = 1 << SHIFT  # cells per block
 
@@ -73,7 +75,8 @@ class KVPool:
     """Keys and values of every layer for n_seqs sequences of up to n_ctx positions each, in
     pools of n_cells cells (the global group; windowed groups get what their rings need)."""
 
-    def __init__(self, arch, n_seqs: int, n_ctx: int, n_cells: int, n_batch: int):
+    def __init__(self, arch, n_seqs: int, n_ctx: int, n_cells: int, n_batch: int,
+                 cache_types: tuple[str, str] = F16_CACHE):
         hp = arch.hp
         sizes, self.layer_groups = arch.cache_layout(n_ctx, n_batch)
         self.n_seqs, self.n_ctx = n_seqs, n_ctx
@@ -82,10 +85,17 @@ class KVPool:
             windowed = size < n_ctx
             n_blocks = n_seqs * -(-size // BLOCK) if windowed else max(-(-n_cells // BLOCK), -(-size // BLOCK))
             self.groups[name] = PoolGroup(size, n_blocks, n_seqs, windowed)
-        # per layer: (rows, Hkv, D) uint16 float16 bit patterns; pages are touched only when written
-        self.k = [np.zeros((self.groups[g].n_blocks * BLOCK, hp.n_head_kv, hp.head_dim), np.uint16)
+        # per layer: (rows, Hkv, D) uint16 float16 bit patterns, or (rows, Hkv, D/32 * block
+        # bytes) uint8 for a quantized cache (kv_cache.py); pages are touched only when written
+        self.k = [cache_array(self.groups[g].n_blocks * BLOCK, hp.n_head_kv, hp.head_dim, cache_types[0])
                   for g in self.layer_groups]
-        self.v = [np.zeros_like(k) for k in self.k]
+        self.v = [cache_array(self.groups[g].n_blocks * BLOCK, hp.n_head_kv, hp.head_dim, cache_types[1])
+                  for g in self.layer_groups]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool (reserved; pages are touched as sequences write them)."""
+        return sum(a.nbytes for a in self.k + self.v)
 
     @property
     def n_cells(self) -> int:

@@ -213,7 +213,7 @@ class Scheduler:
         self.batch = max(1, batch)  # prompt tokens a step, all sequences together
         kv_cells = max(kv_cells or parallel * self.n_ctx, self.n_ctx)  # one request always fits alone
         # a sequence takes at most min(batch, n_ctx) rows a step: the windows' rings hold that much more
-        self.pool = KVPool(model.arch, parallel, self.n_ctx, kv_cells, min(self.batch, self.n_ctx))
+        self.pool = KVPool(model.arch, parallel, self.n_ctx, kv_cells, min(self.batch, self.n_ctx), model.cache_types)
         self.slots = [_Slot(i) for i in range(parallel)]
         self.queue: list[Handle] = []
         self.threaded = False

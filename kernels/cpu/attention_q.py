@@ -122,47 +122,55 @@ def store_kv_quantized(k, v, slots, n_kv_heads, head_dim, kcache, vcache):
 
 
 @nb.njit(**_INLINE)
-def _code(y, o, k_type, j):
-    """Value j (0..31) of the block at y[o] as a signed integer code."""
-    if k_type == KV_Q8_0:
-        return np.int32(np.int8(y[o + 2 + j]))
-    byte = np.int32(y[o + 2 + (j & 15)])
-    return (byte & 15 if j < 16 else byte >> 4) - 8
+def _unpack_row(cache, row, h, D, q8, scale_values, codes, scales):
+    """Row `row`, head h of a quantized cache (P, H, R) as float32: codes (D,) the codes (small
+    integers, exact), scales (D/32,) the block scales; with scale_values, codes * scale (the
+    values, dequantize_row_q8_0 / _q4_0). Indexed in place: a view would cost atomic
+    reference counts."""
+    nbytes = 34 if q8 else 18
+    for b in range(D // 32):
+        o = nbytes * b
+        d = F16_TO_F32[np.int64(cache[row, h, o]) | (np.int64(cache[row, h, o + 1]) << 8)]
+        scales[b] = d
+        f = d if scale_values else np.float32(1.0)
+        if q8:
+            for j in range(32):
+                codes[32 * b + j] = np.float32(np.int8(cache[row, h, o + 2 + j])) * f
+        else:
+            for j in range(16):
+                byte = np.int32(cache[row, h, o + 2 + j])
+                codes[32 * b + j] = np.float32((byte & 15) - 8) * f
+                codes[32 * b + j + 16] = np.float32((byte >> 4) - 8) * f
 
 
 @nb.njit(**_INLINE)
-def _dot(k, at, k_type, qq, qd, g, D):
-    """ggml_vec_dot_{q8_0,q4_0}_q8_0 of the K row at k[at] and query g (codes qq[g], block
-    scales qd[g]), as ggml's AVX2 code: 8 lanes of 4 values, fma per block, hsum_float_8."""
-    nbytes = 34 if k_type == KV_Q8_0 else 18
-    acc = np.zeros(8, np.float32)
+def _dot(kc, kd, qq, qd, g, D, prod):
+    """ggml_vec_dot_{q8_0,q4_0}_q8_0 of a K row (codes kc, block scales kd) and query g (codes
+    qq[g], scales qd[g]), as ggml's AVX2 code: per 32-block, 8 lanes each summing the products
+    of 4 neighbouring codes (integers below 2^24: exact in float32, in any order), lane l's
+    acc = fma(d_k * d_q, sum, acc); then hsum_float_8. prod (D,) float32 is scratch."""
+    for j in range(D):
+        prod[j] = kc[j] * qq[g, j]
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
     for b in range(D // 32):
-        o = at + nbytes * b
-        d = _f16_at(k, o) * qd[g, b]
-        for lane in range(8):
-            isum = 0
-            for j in range(4 * lane, 4 * lane + 4):
-                isum += _code(k, o, k_type, j) * qq[g, 32 * b + j]
-            acc[lane] = fma(d, np.float32(isum), acc[lane])
-    return ((acc[4] + acc[0]) + (acc[6] + acc[2])) + ((acc[5] + acc[1]) + (acc[7] + acc[3]))
-
-
-@nb.njit(**_INLINE)
-def _dequantize(v, at, v_type, D, out):
-    """dequantize_row_q8_0 / _q4_0 of the V row at v[at] into out (D,)."""
-    nbytes = 34 if v_type == KV_Q8_0 else 18
-    for b in range(D // 32):
-        o = at + nbytes * b
-        d = _f16_at(v, o)
-        for j in range(32):
-            out[32 * b + j] = np.float32(_code(v, o, v_type, j)) * d
+        d = kd[b] * qd[g, b]
+        j = 32 * b
+        a0 = fma(d, (prod[j] + prod[j + 1]) + (prod[j + 2] + prod[j + 3]), a0)
+        a1 = fma(d, (prod[j + 4] + prod[j + 5]) + (prod[j + 6] + prod[j + 7]), a1)
+        a2 = fma(d, (prod[j + 8] + prod[j + 9]) + (prod[j + 10] + prod[j + 11]), a2)
+        a3 = fma(d, (prod[j + 12] + prod[j + 13]) + (prod[j + 14] + prod[j + 15]), a3)
+        a4 = fma(d, (prod[j + 16] + prod[j + 17]) + (prod[j + 18] + prod[j + 19]), a4)
+        a5 = fma(d, (prod[j + 20] + prod[j + 21]) + (prod[j + 22] + prod[j + 23]), a5)
+        a6 = fma(d, (prod[j + 24] + prod[j + 25]) + (prod[j + 26] + prod[j + 27]), a6)
+        a7 = fma(d, (prod[j + 28] + prod[j + 29]) + (prod[j + 30] + prod[j + 31]), a7)
+    return ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))
 
 
 @nb.njit(**_INLINE)
 def _queries_q8_0(q, t, h0, G, D):
     """ggml's x86 quantize_row_q8_0 of the G query heads from h0 of token t: (codes (G, D)
-    int32, block scales (G, D/32) float32 as the f16 values)."""
-    qq = np.empty((G, D), np.int32)
+    as float32, block scales (G, D/32) float32 as the f16 values)."""
+    qq = np.empty((G, D), np.float32)
     qd = np.empty((G, D // 32), np.float32)
     for g in range(G):
         base = (h0 + g) * D
@@ -173,7 +181,7 @@ def _queries_q8_0(q, t, h0, G, D):
             qd[g, b] = f16_round(amax / np.float32(127.0))
             inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
             for j in range(32):
-                qq[g, 32 * b + j] = np.int32(np.rint(q[t, base + 32 * b + j] * inv))
+                qq[g, 32 * b + j] = np.rint(q[t, base + 32 * b + j] * inv)
     return qq, qd
 
 
@@ -183,14 +191,14 @@ def _one_chunk_q(qq, qd, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, t
     """ggml's one_chunk for the G heads of (qq, qd) sharing KV head kvh, over every cell a query
     at pos sees; writes the normalized result of head h0 + g to out[t]."""
     G, D = qq.shape
-    P, H, RK = kcache.shape
-    RV = vcache.shape[2]
-    k_type, v_type = kv_type_of(RK, D), kv_type_of(RV, D)
-    k, v = kcache.reshape(P * H * RK), vcache.reshape(P * H * RV)
+    k_q8 = kv_type_of(kcache.shape[2], D) == KV_Q8_0
+    v_q8 = kv_type_of(vcache.shape[2], D) == KV_Q8_0
+    kc, vrow = np.empty(D, np.float32), np.empty(D, np.float32)   # a cell's K codes, V values
+    kd, vd = np.empty(D // 32, np.float32), np.empty(D // 32, np.float32)
     acc = np.zeros((G, D), np.float32)
     m = np.full(G, -np.inf, np.float32)
     s_sum = np.zeros(G, np.float32)
-    vrow = np.empty(D, np.float32)
+    prod = np.empty(D, np.float32)
     ring_start = _ring_start(newest, n_keep, n_slots)
     cell = _first_cell(pos, window)
     while cell <= pos:
@@ -202,9 +210,10 @@ def _one_chunk_q(qq, qd, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, t
         row = _row(_slot(c, n_keep, n_slots), table, shift)
         if not _visible(c, row, kv_pos, pos, window):
             continue
-        _dequantize(v, (row * H + kvh) * RV, v_type, D, vrow)
+        _unpack_row(kcache, row, kvh, D, k_q8, False, kc, kd)
+        _unpack_row(vcache, row, kvh, D, v_q8, True, vrow, vd)
         for g in range(G):
-            score = _capped(_dot(k, (row * H + kvh) * RK, k_type, qq, qd, g, D) * scale, softcap)
+            score = _capped(_dot(kc, kd, qq, qd, g, D, prod) * scale, softcap)
             if score > m[g]:
                 ms = np.float32(math.exp(m[g] - score))
                 m[g] = score

@@ -41,6 +41,7 @@ class Settings:
     api_key: str | None = None
     scheduling: str = "priority"
     threads: int | None = None
+    cache_types: tuple[str, str] = ("f16", "f16")   # -ctk, -ctv
 
 
 class ServerState:
@@ -62,7 +63,7 @@ class ServerState:
 
         s = self.settings
         try:
-            model = Model(s.model, threads=s.threads, device="cpu")
+            model = Model(s.model, threads=s.threads, device="cpu", cache_types=s.cache_types)
             model.warm_up()
             model.tokenizer  # noqa: B018
             self.scheduler = model.scheduler(s.parallel, s.ctx, s.batch, policy=s.scheduling)
