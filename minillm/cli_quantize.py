@@ -188,7 +188,8 @@ def _layers_to_prune(in_path: Path, spec: Optional[str], text: Optional[str], n_
     except ValueError:
         raise MinillmError(f"bad --prune-layers {spec!r}: expected auto:N, e.g. auto:2") from None
     if text is None:
-        raise MinillmError("--prune-layers auto:N measures the layers on a text: pass --calibration TEXT or --eval TEXT")
+        raise MinillmError("--prune-layers auto:N measures the layers on a text: "
+                           "pass --calibration TEXT or --eval TEXT")
     from tqdm import tqdm
 
     from .quantize.evaluate import cheapest_layers, layer_importance

@@ -174,7 +174,8 @@ class KLDSums:
         for r in range(len(x)):
             p_log_base = scale[r] * cells[r] + min_log_prob[r]
             keep = p_log_base > f32(-LOG_PROB_FLOOR)
-            terms = np.exp(p_log_base[keep].astype(np.float64)).astype(f32) * ((p_log_base[keep] - x[r, keep]) + norm[r])
+            kept = p_log_base[keep]
+            terms = _expf(kept) * ((kept - x[r, keep]) + norm[r])
             klds[r] = terms.astype(np.float64).sum()
         same_top = x.argmax(axis=1) == (scale[:, None] * cells + min_log_prob[:, None]).argmax(axis=1)
         p_diff = _expf(-nll) - _expf(-nll_base)

@@ -34,7 +34,6 @@ from .quantize_scalar import _block_q4_0
 from .unpack import F16_TO_F32
 
 KV_Q8_0, KV_Q4_0 = 1, 2
-BLOCK_BYTES = {KV_Q8_0: 34, KV_Q4_0: 18}
 
 _PAR = dict(parallel=True, cache=True, nogil=True)
 _SER = dict(cache=True, nogil=True)
@@ -81,11 +80,6 @@ def hadamard_rotated(x, n):
 def kv_type_of(row_bytes, D):
     """The block format of a cache whose rows of D values take row_bytes bytes."""
     return KV_Q8_0 if row_bytes == D // 32 * 34 else KV_Q4_0
-
-
-@nb.njit(**_INLINE)
-def _f16_at(y, o):
-    return F16_TO_F32[np.int64(y[o]) | (np.int64(y[o + 1]) << 8)]
 
 
 @nb.njit(**_INLINE)

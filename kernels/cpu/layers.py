@@ -199,9 +199,9 @@ def _store_and_attend_impl(q, k, v, positions, kcache, vcache, kv_pos, slots, n_
             store_kv_quantized(hadamard_rotated(k, n_rot_k), hadamard_rotated(v, n_rot_v), slots, n_kv_heads, head_dim,
                                kcache, vcache)
             rotated = np.empty_like(out)
-            attention_quantized(hadamard_rotated(q, n_rot_k), positions, row_seq, tables, shift,
-                                n_slots if row_seq.shape[0] else kcache.shape[0], n_keep, kcache, vcache, kv_pos, window,
-                                scale, softcap, n_heads, head_dim, rotated)
+            own_slots = n_slots if row_seq.shape[0] else kcache.shape[0]
+            attention_quantized(hadamard_rotated(q, n_rot_k), positions, row_seq, tables, shift, own_slots, n_keep,
+                                kcache, vcache, kv_pos, window, scale, softcap, n_heads, head_dim, rotated)
             out[:] = hadamard_rotated(rotated, n_rot_v)
         return quantized
 

@@ -136,7 +136,8 @@ def layer_importance(path, text: str, n_ctx: int = 512, n_chunks: int = 2, threa
     if n_chunks * (n_ctx - 1 - n_ctx // 2) < 100:
         raise MinillmError(f"the calibration text gives {n_chunks} chunk(s) of {n_ctx} tokens; "
                            "at least 100 scored positions are needed")
-    reference = [(encode_log_probs(logits), targets) for _, logits, targets in scored_chunks(model, ids, n_ctx, n_chunks)]
+    reference = [(encode_log_probs(logits), targets)
+                 for _, logits, targets in scored_chunks(model, ids, n_ctx, n_chunks)]
     n_layer = model.arch.hp.n_layer
     costs = []
     try:

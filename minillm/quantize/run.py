@@ -119,7 +119,8 @@ def _check_requantize(plan: Plan, allow: bool, log: Callable[[str], None]) -> No
 def quantize(in_path, out_path, type_name, *, allow_requantize: bool = False, pure: bool = False,
              leave_output_tensor: bool = False, output_tensor_type=None, token_embedding_type=None,
              tensor_types: Iterable = (), prune_layers: Iterable[int] = (), threads: int | None = None,
-             dry_run: bool = False, progress: bool = False, log: Callable[[str], None] | None = None) -> QuantizeSummary:
+             dry_run: bool = False, progress: bool = False,
+             log: Callable[[str], None] | None = None) -> QuantizeSummary:
     """Quantize the GGUF model at in_path to out_path as type_name (llama-quantize's TYPE: a
     name such as "Q4_K_M" or its numeric id). Returns a QuantizeSummary. Raises MinillmError
     for a bad type, pattern or input, OUT equal to IN, or requantizing without permission.
