@@ -84,6 +84,21 @@ def _ring_start(newest, n_keep, n_slots):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
+def _next_visible(cell, end, pos, window, n_keep, ring_start, n_slots, kv_pos, table, shift):
+    """(the first cell from `cell` up to `end` that a query at pos sees, its cache row), or
+    (end, -1) if none: the one-chunk walk, which skips what the ring has forgotten."""
+    while cell < end:
+        if n_keep <= cell < ring_start:  # forgotten: skip to the ring's oldest position
+            cell = ring_start
+            continue
+        row = _row(_slot(cell, n_keep, n_slots), table, shift)
+        if _visible(cell, row, kv_pos, pos, window):
+            return cell, row
+        cell += 1
+    return end, -1
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
 def _dot_f16(k, k_at, q, q_at, D):
     """ggml_vec_dot_f16 of D values of k from k_at and of q from q_at (flat arrays), as ggml is
     built for this CPU (F16_DOT_STEP): the SIMD steps in float32, the rest in double."""
@@ -148,17 +163,10 @@ def _one_chunk(q16, first, last, pos, newest, n_keep, n_slots, kcache, vcache, k
     m[:] = -np.inf
     s_sum[:] = 0
     ring_start = _ring_start(newest, n_keep, S)
-    cell = max(first, _first_cell(pos, window))
     end = min(last, pos + 1)
-    while cell < end:
-        if n_keep <= cell < ring_start:  # forgotten: skip to the ring's oldest position
-            cell = ring_start
-            continue
-        c = cell
-        cell += 1
-        row = _row(_slot(c, n_keep, S), table, shift)
-        if not _visible(c, row, kv_pos, pos, window):
-            continue
+    cell, row = _next_visible(max(first, _first_cell(pos, window)), end, pos, window, n_keep, ring_start, S, kv_pos,
+                              table, shift)
+    while row >= 0:
         at = (row * H + kvh) * D
         for g in range(G):
             score = _capped(_dot_f16(k, at, q, g * D, D) * scale, softcap)
@@ -171,6 +179,7 @@ def _one_chunk(q16, first, last, pos, newest, n_keep, n_slots, kcache, vcache, k
                 vs = np.float32(math.exp(score - m[g]))
                 _mad_f16(a, g * D, v, at, vs, D)
                 s_sum[g] = s_sum[g] + vs
+        cell, row = _next_visible(cell + 1, end, pos, window, n_keep, ring_start, S, kv_pos, table, shift)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

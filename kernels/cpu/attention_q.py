@@ -27,7 +27,7 @@ import math
 import numba as nb
 import numpy as np
 
-from .attention import _first_cell, _heads_per_job, _NO_TABLE, _capped, _ring_start, _row, _slot, _visible
+from .attention import _NO_TABLE, _capped, _first_cell, _heads_per_job, _next_visible, _ring_start
 from .f16 import f16_bits, f16_round
 from .fma import fma
 from .quantize_scalar import _block_q4_0
@@ -194,16 +194,9 @@ def _one_chunk_q(qq, qd, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, t
     s_sum = np.zeros(G, np.float32)
     prod = np.empty(D, np.float32)
     ring_start = _ring_start(newest, n_keep, n_slots)
-    cell = _first_cell(pos, window)
-    while cell <= pos:
-        if n_keep <= cell < ring_start:  # forgotten: skip to the ring's oldest position
-            cell = ring_start
-            continue
-        c = cell
-        cell += 1
-        row = _row(_slot(c, n_keep, n_slots), table, shift)
-        if not _visible(c, row, kv_pos, pos, window):
-            continue
+    cell, row = _next_visible(_first_cell(pos, window), pos + 1, pos, window, n_keep, ring_start, n_slots, kv_pos,
+                              table, shift)
+    while row >= 0:
         _unpack_row(kcache, row, kvh, D, k_q8, False, kc, kd)
         _unpack_row(vcache, row, kvh, D, v_q8, True, vrow, vd)
         for g in range(G):
@@ -219,6 +212,7 @@ def _one_chunk_q(qq, qd, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, t
                 for d in range(D):
                     acc[g, d] = fma(vrow[d], vs, acc[g, d])
                 s_sum[g] = s_sum[g] + vs
+        cell, row = _next_visible(cell + 1, pos + 1, pos, window, n_keep, ring_start, n_slots, kv_pos, table, shift)
     for g in range(G):
         inv = np.float32(1.0) / s_sum[g] if s_sum[g] != 0 else np.float32(0.0)
         for d in range(D):
