@@ -404,11 +404,14 @@ class Transformer:
         """The hidden states (T - out_from, E) after every layer."""
         x = self.embed(ids)
         tables = self.rope_tables(positions, n_ctx)
-        run = [il for il in range(len(layers)) if il not in self.skipped_layers]
+        run = range(len(layers))
+        if self.skipped_layers:  # only while layer importance is measured: no list per token otherwise
+            run = [il for il in run if il not in self.skipped_layers]
+        last = run[-1] if len(run) else -1
         for il in run:
-            x = self.layer_function(x, layers[il], positions, kv_of(il), out_from if il == run[-1] else 0,
+            x = self.layer_function(x, layers[il], positions, kv_of(il), out_from if il == last else 0,
                                     *self.layer_args(il, tables))
-        return x if run else x[out_from:]
+        return x if len(run) else x[out_from:]
 
     def output_logits(self, x: np.ndarray, output) -> np.ndarray:
         """Logits (T, V) of hidden states x (T, E): final norm, output product (its packed tuple)."""
