@@ -290,11 +290,14 @@ KERNELS = {
 
 
 
-def quantize_rows(fmt, src: np.ndarray, kind: int = SRC_F32, out: np.ndarray | None = None):
+def quantize_rows(fmt, src: np.ndarray, kind: int = SRC_F32, out: np.ndarray | None = None,
+                  imatrix: np.ndarray | None = None):
     """Quantize src (rows, n) -> raw (rows, row_bytes) uint8 in format `fmt` (a minillm Format).
 
     src is float32 (kind SRC_F32), or uint16 F16/BF16 bits (kind SRC_F16/SRC_BF16). `out`, if
-    given, is a C-contiguous (rows, row_bytes) uint8 array to write into (and is returned)."""
+    given, is a C-contiguous (rows, row_bytes) uint8 array to write into (and is returned).
+    imatrix: (n,) float32 column importances (llama-quantize --imatrix), used by the formats
+    ggml weights with it (quantize_imatrix.py), ignored by the others."""
     kernel, dtype = KERNELS[fmt.name]
     rows, n = src.shape
     if n % fmt.block_size:
@@ -306,5 +309,13 @@ def quantize_rows(fmt, src: np.ndarray, kind: int = SRC_F32, out: np.ndarray | N
         raise ValueError(f"out must be a contiguous ({rows}, {row_bytes}) uint8 array")
     if (kind == SRC_F32) != (src.dtype == np.float32):
         raise ValueError(f"source kind {kind} does not match a {src.dtype} array")
+    if imatrix is not None:
+        from .quantize_imatrix import WEIGHTED_KERNELS
+
+        if fmt.name in WEIGHTED_KERNELS:
+            if imatrix.shape != (n,):
+                raise ValueError(f"the importance matrix has {imatrix.size} values for rows of {n}")
+            WEIGHTED_KERNELS[fmt.name](np.ascontiguousarray(src), kind, out, np.ascontiguousarray(imatrix, np.float32))
+            return out
     kernel(np.ascontiguousarray(src), kind, out.view(dtype))
     return out

@@ -28,9 +28,10 @@ _MAGIC_I = np.int32(12582912)
 # scalar ports: one group
 # ---------------------------------------------------------------------------------------------
 @nb.njit(**_JIT)
-def _make_qx_quants(n, nmax, x, x0, L, l0, rmse_type):
-    """Symmetric codes in [0, 2*nmax) with a least-squares scale; weights from rmse_type
-    (1: x^2, 2: 1, 3: |x|, else sqrt|x|), no importance matrix. Returns the scale."""
+def _make_qx_quants(n, nmax, x, x0, L, l0, rmse_type, qw, w0):
+    """Symmetric codes in [0, 2*nmax) with a least-squares scale. Weights: qw[w0:w0+n] when qw
+    is not empty (an importance matrix), else from rmse_type (1: x^2, 2: 1, 3: |x|, else
+    sqrt|x|). Returns the scale."""
     vmax = _F(0.0)
     amax = _F(0.0)
     for i in range(n):
@@ -55,7 +56,7 @@ def _make_qx_quants(n, nmax, x, x0, L, l0, rmse_type):
         xi = x[x0 + i]
         l = max(-nmax, min(nmax - 1, nearest_int(iscale * xi)))
         L[l0 + i] = l + nmax
-        w = _qx_weight(xi, rmse_type)
+        w = qw[w0 + i] if qw.size else _qx_weight(xi, rmse_type)
         fl = _F(l)
         sumlx += w * xi * fl
         suml2 += w * fl * fl
@@ -70,7 +71,7 @@ def _make_qx_quants(n, nmax, x, x0, L, l0, rmse_type):
         for i in range(n):
             xi = x[x0 + i]
             fl = _F(max(-nmax, min(nmax - 1, nearest_int(iscale * xi))))
-            w = _qx_weight(xi, rmse_type)
+            w = qw[w0 + i] if qw.size else _qx_weight(xi, rmse_type)
             sumlx += w * xi * fl
             suml2 += w * fl * fl
         if suml2 > 0 and sumlx * sumlx > best * suml2:
@@ -210,6 +211,134 @@ def _make_qkx2_quants(n, nmax, x, x0, weights, L, l0, Laux, rmin, rdelta, nstep,
                 scale = this_scale
                 vmin = this_min
     return scale, -vmin
+
+
+@nb.njit(**_JIT)
+def _make_qkx3_quants(n, nmax, x, x0, weights, L, l0, Laux, rmin, rdelta, nstep, use_mad):
+    """make_qkx3_quants (the importance-matrix fits): make_qkx2_quants' search with its own
+    guards (max <= min, trial codes clamped before rounding). Returns (scale, the_min)."""
+    vmin = x[x0]
+    vmax = x[x0]
+    sum_w = weights[0]
+    sum_x = sum_w * x[x0]
+    for i in range(1, n):
+        xi = x[x0 + i]
+        if xi < vmin:
+            vmin = xi
+        if xi > vmax:
+            vmax = xi
+        sum_w += weights[i]
+        sum_x += weights[i] * xi
+    if vmin > 0:
+        vmin = _F(0.0)
+    if vmax <= vmin:
+        for i in range(n):
+            L[l0 + i] = 0
+        return _F(0.0), -vmin
+    fnmax = _F(nmax)
+    iscale = fnmax / (vmax - vmin)
+    scale = _F(1.0) / iscale
+    best_mad = _F(0.0)
+    for i in range(n):
+        l = max(0, min(nmax, nearest_int(iscale * (x[x0 + i] - vmin))))
+        L[l0 + i] = l
+        diff = scale * _F(l) + vmin - x[x0 + i]
+        best_mad += weights[i] * (abs(diff) if use_mad else diff * diff)
+    if nstep < 1:
+        return scale, -vmin
+    for step in range(nstep + 1):
+        iscale = (rmin + rdelta * _F(step) + fnmax) / (vmax - vmin)
+        sum_l = _F(0.0)
+        sum_l2 = _F(0.0)
+        sum_xl = _F(0.0)
+        for i in range(n):
+            v = iscale * (x[x0 + i] - vmin)
+            l = nearest_int(v if v < fnmax else fnmax) if v > 0 else 0
+            Laux[i] = l
+            w = weights[i]
+            fl = _F(l)
+            sum_l += w * fl
+            sum_l2 += w * fl * fl
+            sum_xl += w * fl * x[x0 + i]
+        D = sum_w * sum_l2 - sum_l * sum_l
+        if D > 0:
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            if this_min > 0:
+                this_min = _F(0.0)
+                this_scale = sum_xl / sum_l2
+            mad = _F(0.0)
+            for i in range(n):
+                diff = this_scale * _F(Laux[i]) + this_min - x[x0 + i]
+                mad += weights[i] * (abs(diff) if use_mad else diff * diff)
+            if mad < best_mad:
+                for i in range(n):
+                    L[l0 + i] = Laux[i]
+                best_mad = mad
+                scale = this_scale
+                vmin = this_min
+    return scale, -vmin
+
+
+@nb.njit(**_JIT)
+def _make_qp_quants(n, nmax, x, L, qw):
+    """make_qp_quants: codes in [0, nmax] (stored as C's uint8) for the non-negative x (n,)
+    with weights qw (n,): a scale search, then coordinate descent. Returns the scale."""
+    vmax = _F(0.0)
+    for i in range(n):
+        vmax = vmax if vmax > x[i] else x[i]           # C's MAX()
+    if vmax < GROUP_MAX_EPS:
+        for i in range(n):
+            L[i] = 0
+        return _F(0.0)
+    fnmax = _F(nmax)
+    iscale = fnmax / vmax
+    for i in range(n):
+        L[i] = nearest_int(iscale * x[i]) & 0xFF
+    scale = _F(1.0) / iscale
+    best_mse = _F(0.0)
+    for i in range(n):
+        diff = x[i] - scale * _F(L[i])
+        best_mse += qw[i] * diff * diff
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        iscale_is = (_F(0.1) * _F(step) + fnmax) / vmax
+        scale_is = _F(1.0) / iscale_is
+        mse = _F(0.0)
+        for i in range(n):
+            l = min(nmax, nearest_int(iscale_is * x[i]))
+            diff = x[i] - scale_is * _F(l)
+            mse += qw[i] * diff * diff
+        if mse < best_mse:
+            best_mse = mse
+            iscale = iscale_is
+    sumlx = _F(0.0)
+    suml2 = _F(0.0)
+    for i in range(n):
+        l = min(nmax, nearest_int(iscale * x[i]))
+        L[i] = l & 0xFF
+        sumlx += qw[i] * x[i] * _F(l)
+        suml2 += qw[i] * _F(l) * _F(l)
+    for _ in range(5):
+        n_changed = 0
+        for i in range(n):
+            w, li = qw[i], _F(L[i])
+            slx = sumlx - w * x[i] * li
+            sl2 = suml2 - w * li * li
+            if slx > 0 and sl2 > 0:
+                new_l = min(nmax, nearest_int(x[i] * sl2 / slx))
+                if new_l != L[i]:
+                    slx += w * x[i] * _F(new_l)
+                    sl2 += w * _F(new_l) * _F(new_l)
+                    if slx * slx * suml2 > sumlx * sumlx * sl2:
+                        L[i] = new_l & 0xFF
+                        sumlx = slx
+                        suml2 = sl2
+                        n_changed += 1
+        if n_changed == 0:
+            break
+    return sumlx / suml2 if suml2 > 0 else _F(0.0)
 
 
 # ---------------------------------------------------------------------------------------------

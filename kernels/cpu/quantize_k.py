@@ -72,7 +72,7 @@ def _block_q2_k(x, i0, y, o, L, Laux, weights, scales, mins):
 @nb.njit(**_JIT)
 def _finish_q2_k(x, i0, y, o, L, scales, mins):
     """Q2_K's second half: 4-bit scales and mins, then the codes again from the rounded ones."""
-    o_qs, o_d, o_dmin = o + 16, o + 80, o + 82
+    o_d, o_dmin = o + 80, o + 82
     max_scale = _F(0.0)
     max_min = _F(0.0)
     for j in range(16):
@@ -97,6 +97,12 @@ def _finish_q2_k(x, i0, y, o, L, scales, mins):
         dmin = _put_f16(y, o_dmin, max_min / q4scale)
     else:
         dmin = _put_f16(y, o_dmin, _F(0.0))
+    _codes_q2_k(x, i0, y, o, L, d, dmin)
+
+
+@nb.njit(**_JIT)
+def _codes_q2_k(x, i0, y, o, L, d, dmin):
+    """The codes again from the stored scales (scales[16] at y[o], d and dmin), packed."""
     for j in range(16):
         dj = d * _F(y[o + j] & 0xF)
         if dj == 0:
@@ -104,13 +110,13 @@ def _finish_q2_k(x, i0, y, o, L, scales, mins):
         mj = dmin * _F(y[o + j] >> 4)
         for ii in range(16):
             L[16 * j + ii] = max(0, min(3, nearest_int((x[i0 + 16 * j + ii] + mj) / dj)))
-    _pack_2bit(L, y, o_qs)
+    _pack_2bit(L, y, o + 16)
 
 
 @nb.njit(**_JIT)
 def _block_q3_k(x, i0, y, o, L, Laux, weights, scales, mins):
     """110 bytes: hmask[32], qs[64], scales[12] (16 packed 6-bit scales), d f16."""
-    o_qs, o_sc, o_d = o + 32, o + 96, o + 108
+    o_sc, o_d = o + 96, o + 108
     max_scale = _F(0.0)
     amax = _F(0.0)
     for j in range(16):
@@ -124,15 +130,27 @@ def _block_q3_k(x, i0, y, o, L, Laux, weights, scales, mins):
         iscale = _F(-32.0) / max_scale
         for j in range(16):
             l = ((nearest_int(iscale * scales[j]) + 128) & 0xFF) - 128     # (int8_t) cast
-            l = max(-32, min(31, l)) + 32
-            if j < 8:
-                y[o_sc + j] = np.uint8(l & 0xF)
-            else:
-                y[o_sc + j - 8] |= np.uint8((l & 0xF) << 4)
-            y[o_sc + j % 4 + 8] |= np.uint8((l >> 4) << (2 * (j // 4)))
+            _pack_q3_scale(j, max(-32, min(31, l)) + 32, y, o_sc)
         d_all = _put_f16(y, o_d, _F(1.0) / iscale)
     else:
         d_all = _put_f16(y, o_d, _F(0.0))
+    _codes_q3_k(x, i0, y, o, L, d_all)
+
+
+@nb.njit(**_JIT_INLINE)
+def _pack_q3_scale(j, l, y, o_sc):
+    """Scale j's 6-bit code l into scales[12] at y[o_sc] (which starts zeroed)."""
+    if j < 8:
+        y[o_sc + j] = np.uint8(l & 0xF)
+    else:
+        y[o_sc + j - 8] |= np.uint8((l & 0xF) << 4)
+    y[o_sc + j % 4 + 8] |= np.uint8((l >> 4) << (2 * (j // 4)))
+
+
+@nb.njit(**_JIT)
+def _codes_q3_k(x, i0, y, o, L, d_all):
+    """The codes again from the stored 6-bit scales and d_all; hmask and qs packed."""
+    o_qs, o_sc = o + 32, o + 96
     for j in range(16):
         lo = np.int32(y[o_sc + j] & 0xF) if j < 8 else np.int32(y[o_sc + j - 8] >> 4)
         hi = (np.int32(y[o_sc + 8 + j % 4]) >> np.int32(2 * (j // 4))) & 3
@@ -216,8 +234,12 @@ def _block_q4_k(x, i0, y, o, L, Laux, weights, scales, mins):
 @nb.njit(**_JIT)
 def _finish_q4_k(x, i0, y, o, L, scales, mins):
     max_scale, max_min = _pack_k4_scales(scales, mins, y, o + 4)
-    d_all = _put_f16(y, o, max_scale / _F(63.0))
-    dmin_all = _put_f16(y, o + 2, max_min / _F(63.0))
+    _codes_q4_k(x, i0, y, o, L, _put_f16(y, o, max_scale / _F(63.0)), _put_f16(y, o + 2, max_min / _F(63.0)))
+
+
+@nb.njit(**_JIT)
+def _codes_q4_k(x, i0, y, o, L, d_all, dmin_all):
+    """The codes again from the stored scales and mins, packed into qs."""
     _requantize_k4_groups(x, i0, y, o + 4, d_all, dmin_all, L, 15)
     for j in range(0, QK_K, 64):
         for l in range(32):
@@ -234,8 +256,12 @@ def _block_q5_k(x, i0, y, o, L, Laux, weights, scales, mins):
 @nb.njit(**_JIT)
 def _finish_q5_k(x, i0, y, o, L, scales, mins):
     max_scale, max_min = _pack_k4_scales(scales, mins, y, o + 4)
-    d_all = _put_f16(y, o, max_scale / _F(63.0))
-    dmin_all = _put_f16(y, o + 2, max_min / _F(63.0))
+    _codes_q5_k(x, i0, y, o, L, _put_f16(y, o, max_scale / _F(63.0)), _put_f16(y, o + 2, max_min / _F(63.0)))
+
+
+@nb.njit(**_JIT)
+def _codes_q5_k(x, i0, y, o, L, d_all, dmin_all):
+    """The codes again from the stored scales and mins, packed into qh and qs."""
     _requantize_k4_groups(x, i0, y, o + 4, d_all, dmin_all, L, 31)
     o_qh, o_ql = o + 16, o + 48
     for k in range(32):
@@ -260,7 +286,7 @@ def _finish_q5_k(x, i0, y, o, L, scales, mins):
 def _block_q6_k(x, i0, y, o, L, Laux, weights, scales, mins):
     """210 bytes: ql[128], qh[64], scales int8[16], d f16."""
     for ib in range(16):
-        scales[ib] = _make_qx_quants(16, 32, x, i0 + 16 * ib, L, 16 * ib, 1)
+        scales[ib] = _make_qx_quants(16, 32, x, i0 + 16 * ib, L, 16 * ib, 1, weights[:0], 0)
     _finish_q6_k(x, i0, y, o, L, scales)
 
 
