@@ -399,6 +399,7 @@ class Transformer:
     row_layers = None  # self.layers with every product computed row by row (forward_rows)
 
     skipped_layers: frozenset = frozenset()   # left out of the forward (layer importance)
+    recorder = None   # while an importance matrix is collected: sees every product's input (imatrix.py)
 
     def run_layers(self, ids, positions, kv_of, out_from, layers, n_ctx) -> np.ndarray:
         """The hidden states (T - out_from, E) after every layer."""
@@ -408,8 +409,9 @@ class Transformer:
         if self.skipped_layers:  # only while layer importance is measured: no list per token otherwise
             run = [il for il in run if il not in self.skipped_layers]
         last = run[-1] if len(run) else -1
+        layer_function = self.layer_function if self.recorder is None else self.recorder.layer_function
         for il in run:
-            x = self.layer_function(x, layers[il], positions, kv_of(il), out_from if il == last else 0,
+            x = layer_function(x, layers[il], positions, kv_of(il), out_from if il == last else 0,
                                     *self.layer_args(il, tables))
         return x if len(run) else x[out_from:]
 
@@ -419,6 +421,8 @@ class Transformer:
             return np.empty((0, self.hp.n_vocab), np.float32)
         xn = np.empty_like(x)
         ops.rmsnorm(x, self.output_norm, np.float32(self.hp.rms_eps), xn)
+        if self.recorder is not None:
+            self.recorder.saw((output,), xn)
         return self.finish_logits(linear(output, xn))
 
     def finish_logits(self, logits: np.ndarray) -> np.ndarray:
