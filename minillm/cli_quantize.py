@@ -80,6 +80,10 @@ def quantize_command(
         None, "--prune-layers", metavar="L0,L1,...|auto:N",
         help="Leave these layers out; the rest are renumbered. auto:N measures every layer's cost "
              "(KL divergence when it is left out, on --calibration or --eval text) and drops the N cheapest."),
+    imatrix: Optional[Path] = typer.Option(
+        None, "--imatrix", metavar="FILE", show_default=False,
+        help="Importance matrix (minillm imatrix or llama-imatrix, GGUF or .dat): weigh each column's "
+             "rounding error by how much the model uses it, as llama-quantize --imatrix."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", metavar="TEXT", show_default=False,
                                                help="Text for --prune-layers auto:N (default: the --eval text)."),
     eval_text: Optional[Path] = typer.Option(
@@ -107,6 +111,8 @@ def quantize_command(
     options = dict(allow_requantize=allow_requantize, pure=pure, leave_output_tensor=leave_output_tensor,
                    output_tensor_type=output_tensor_type, token_embedding_type=token_embedding_type,
                    tensor_types=tensor_type or (), threads=threads)
+    if imatrix is not None:
+        options["imatrix"] = imatrix
     try:
         if type_name is None:                       # IN TYPE: llama-quantize's short form
             type_name, out_path = out_path, None

@@ -59,8 +59,9 @@ class TensorConverter:
     """Converts the tensors of one file, one at a time, into a single reused output buffer
     (a fresh buffer per tensor would cost a page fault per 4 KiB written)."""
 
-    def __init__(self, gf: GGUFFile, tensors: list[TensorPlan]):
+    def __init__(self, gf: GGUFFile, tensors: list[TensorPlan], imatrix: dict[str, np.ndarray] | None = None):
         self.gf = gf
+        self.imatrix = imatrix or {}             # output tensor name -> column importances
         self.buffer = np.empty(max((t.dst_bytes for t in tensors if t.converts), default=0), np.uint8)
 
     def __call__(self, t: TensorPlan) -> np.ndarray:
@@ -69,7 +70,8 @@ class TensorConverter:
         if not t.converts:
             return raw
         src, kind = source_rows(t.src, raw, t.shape[0])
-        out = quantize_rows(t.dst, src, kind, out=self.buffer[:t.dst_bytes].reshape(src.shape[0], -1))
+        out = quantize_rows(t.dst, src, kind, out=self.buffer[:t.dst_bytes].reshape(src.shape[0], -1),
+                            imatrix=self.imatrix.get(t.name))
         if invalid_values(t.dst, out):
             raise MinillmError(f"tensor {t.name}: {t.dst.name} data has inf or NaN values "
                                "(the input holds non-finite or out-of-range numbers)")

@@ -22,6 +22,7 @@ from ..gguf_file import GGUFFile, TensorInfo
 from .ftypes import FileType
 
 Q8_0, Q6_K, Q5_K, Q4_K, Q3_K = (FORMATS_BY_NAME[n] for n in ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K"))
+Q4_1, Q5_1 = FORMATS_BY_NAME["Q4_1"], FORMATS_BY_NAME["Q5_1"]
 F16 = FORMATS_BY_NAME["F16"]
 
 # tensor_type_fallback: block-256 type -> 32-value replacement
@@ -62,6 +63,7 @@ class PlanOptions:
     token_embedding_type: Format | None = None
     tensor_types: tuple[tuple[re.Pattern, Format], ...] = ()
     prune_layers: tuple[int, ...] = ()          # sorted, unique
+    has_imatrix: bool = False                   # quantizing with an importance matrix
 
 
 @dataclass(frozen=True)
@@ -281,6 +283,8 @@ class _Planner:
             return Q6_K
         if ft == "Q4_K_S" and not falcon and i_layer < n_layer // 8:
             return Q5_K
+        if ft in ("Q4_0", "Q5_0") and self.opts.has_imatrix and i_layer < n_layer // 8:
+            return Q4_1 if ft == "Q4_0" else Q5_1   # llama.cpp's guard for the first ffn_down layers
         return new
 
     def _layer_info(self, i_layer: int, name: str) -> tuple[int, int]:

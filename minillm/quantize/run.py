@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
+import numpy as np
+
 from ..errors import MinillmError
 from ..formats import Format
 from ..gguf_file import GGUFFile
+from ..imatrix_file import Imatrix, load as load_imatrix
 from .ftypes import FileType, parse_file_type, parse_tensor_type
 from .plan import Plan, PlanOptions, TensorPlan, make_plan
 from .writer import AtomicOutput, build_header, write_array
@@ -118,21 +121,24 @@ def _check_requantize(plan: Plan, allow: bool, log: Callable[[str], None]) -> No
 
 def quantize(in_path, out_path, type_name, *, allow_requantize: bool = False, pure: bool = False,
              leave_output_tensor: bool = False, output_tensor_type=None, token_embedding_type=None,
-             tensor_types: Iterable = (), prune_layers: Iterable[int] = (), threads: int | None = None,
-             dry_run: bool = False, progress: bool = False,
+             tensor_types: Iterable = (), prune_layers: Iterable[int] = (), imatrix=None,
+             threads: int | None = None, dry_run: bool = False, progress: bool = False,
              log: Callable[[str], None] | None = None) -> QuantizeSummary:
     """Quantize the GGUF model at in_path to out_path as type_name (llama-quantize's TYPE: a
     name such as "Q4_K_M" or its numeric id). Returns a QuantizeSummary. Raises MinillmError
     for a bad type, pattern or input, OUT equal to IN, or requantizing without permission.
     prune_layers: layer numbers to leave out (the rest renumbered in order).
+    imatrix: an importance matrix file (llama-imatrix's GGUF or .dat, or minillm imatrix's):
+    each column's rounding error is weighted by its importance, as llama-quantize --imatrix.
     OUT appears only when complete: an interrupted or failed run leaves no file behind."""
     log = log or (lambda message: None)
     file_type = parse_file_type(type_name)
+    imat = imatrix if isinstance(imatrix, Imatrix) or imatrix is None else load_imatrix(imatrix)
     opts = PlanOptions(pure=pure, leave_output_tensor=leave_output_tensor,
                        output_tensor_type=_tensor_type(output_tensor_type),
                        token_embedding_type=_tensor_type(token_embedding_type),
                        tensor_types=parse_tensor_type_overrides(tensor_types),
-                       prune_layers=tuple(sorted(set(prune_layers))))
+                       prune_layers=tuple(sorted(set(prune_layers))), has_imatrix=imat is not None)
     in_path = Path(in_path)
     out_path = Path(out_path) if out_path is not None else None
     if not dry_run:
@@ -144,25 +150,66 @@ def quantize(in_path, out_path, type_name, *, allow_requantize: bool = False, pu
         plan = make_plan(gf, file_type, opts)
         summary = QuantizeSummary(in_path, out_path, file_type, plan.tensors, dry_run,
                                   warnings=plan.warnings, n_fallback=plan.n_fallback)
+        weights = _imatrix_weights(plan, imat, log) if imat is not None else {}
         if not dry_run:
             _check_requantize(plan, allow_requantize, log)
-            summary.file_bytes = _write(gf, plan, out_path, threads, progress)
+            metadata = _imatrix_metadata(imatrix, imat) if imat is not None else ()
+            summary.file_bytes = _write(gf, plan, out_path, threads, progress, weights, metadata)
     summary.seconds = time.perf_counter() - start
     return summary
 
 
-def _write(gf: GGUFFile, plan: Plan, out_path: Path, threads: int | None, progress: bool) -> int:
-    """Convert and write every tensor; returns the file size."""
+def _imatrix_weights(plan: Plan, imat: Imatrix, log: Callable[[str], None]) -> dict[str, np.ndarray]:
+    """Output tensor name -> its column importances, for the tensors being converted (looked up
+    by their name in the input, as llama-quantize does after --prune-layers)."""
+    weights, missing = {}, []
+    for t in plan.tensors:
+        if not t.converts:
+            continue
+        w = imat.weights(t.source)
+        if w is None:
+            missing.append(t.name)
+        elif w.size != t.shape[0]:
+            if t.source != "token_embd.weight":
+                raise MinillmError(f"the importance matrix has {w.size} values for {t.source}, "
+                                   f"whose rows hold {t.shape[0]}: it was computed for another model")
+            log(f"warning: ignoring the importance matrix's {w.size} values for {t.source} ({t.shape[0]} columns)")
+        else:
+            weights[t.name] = w
+    if missing:
+        log(f"{len(missing)} tensors have no importance matrix entry and are quantized without one "
+            f"(e.g. {missing[0]})")
+    return weights
+
+
+def _imatrix_metadata(source, imat: Imatrix) -> tuple:
+    """llama-quantize's quantize.imatrix.* keys (strings cut at 127 bytes, as it copies them)."""
+    def c_string(text: str) -> str:
+        return text.encode("utf-8", "surrogateescape")[:127].decode("utf-8", "surrogateescape")
+
+    path = os.fspath(source) if not isinstance(source, Imatrix) else os.fspath(imat.path or "")
+    keys = [("quantize.imatrix.file", c_string(path))]
+    if imat.datasets:
+        keys.append(("quantize.imatrix.dataset", c_string(imat.datasets[0])))
+    keys.append(("quantize.imatrix.entries_count", len(imat.entries)))
+    if imat.chunk_count > 0:
+        keys.append(("quantize.imatrix.chunks_count", imat.chunk_count))
+    return tuple(keys)
+
+
+def _write(gf: GGUFFile, plan: Plan, out_path: Path, threads: int | None, progress: bool,
+           weights: dict[str, np.ndarray], metadata: tuple) -> int:
+    """Convert and write every tensor (with their importance matrices); returns the file size."""
     from .convert import TensorConverter, set_threads   # numba: imported only when needed
 
     set_threads(threads)
     alignment = gf.alignment
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     bar = _progress_bar(len(plan.tensors), progress)
-    convert = TensorConverter(gf, plan.tensors)
+    convert = TensorConverter(gf, plan.tensors, weights)
     try:
         with AtomicOutput(out_path) as out:
-            out.write(build_header(gf, plan.tensors, plan.file_type.ftype, alignment, plan.n_layer_kept))
+            out.write(build_header(gf, plan.tensors, plan.file_type.ftype, alignment, plan.n_layer_kept, metadata))
             for t in plan.tensors:
                 bar.set_postfix_str(t.name, refresh=False)
                 write_array(out, convert(t), alignment)

@@ -46,6 +46,13 @@ def _kv_u32(key: str, value: int) -> bytes:
     return _string(key) + struct.pack("<II", UINT32, value)
 
 
+def _kv(key: str, value: str | int) -> bytes:
+    """A string or uint32 entry."""
+    if isinstance(value, str):
+        return _string(key) + struct.pack("<I", STRING) + _string(value)
+    return _kv_u32(key, value)
+
+
 def _value_size(value, types: tuple[int, ...]) -> int:
     """Bytes the value (without key and type) takes in the file."""
     vtype = types[0]
@@ -80,13 +87,16 @@ def _align(n: int, alignment: int) -> int:
 
 
 def build_header(gf: GGUFFile, tensors: list[TensorPlan], ftype: int, alignment: int,
-                 n_layer: int | None = None) -> bytes:
+                 n_layer: int | None = None, metadata: tuple = ()) -> bytes:
     """Everything before the tensor data, padded to the alignment. n_layer: the block count
-    after pruning (set last, as llama-quantize does), None to copy the input's."""
-    replaced = SET_KEYS + ((f"{gf.architecture}.block_count",) if n_layer is not None else ())
+    after pruning (set last, as llama-quantize does), None to copy the input's. metadata:
+    (key, str or uint32) entries set after the file type (llama-quantize's --imatrix keys)."""
+    replaced = SET_KEYS + tuple(key for key, _ in metadata)
+    replaced += (f"{gf.architecture}.block_count",) if n_layer is not None else ()
     kvs = [blob for key, blob in metadata_blobs(gf) if key not in SPLIT_KEYS + replaced]
     kvs += [_kv_u32("general.quantization_version", QUANTIZATION_VERSION),
             _kv_u32("general.file_type", ftype)]
+    kvs += [_kv(key, value) for key, value in metadata]
     if n_layer is not None:
         kvs.append(_kv_u32(f"{gf.architecture}.block_count", n_layer))
     parts = [b"GGUF", struct.pack("<IQQ", GGUF_VERSION, len(tensors), len(kvs)), *kvs]
