@@ -163,9 +163,9 @@ def _bench_parallel(model: Path, levels: str, n_prompt: int, n_gen: int, threads
 
 
 def _register_commands() -> None:
-    from . import cli_chat, cli_generate, cli_quantize, cli_serve, cli_tokenize
+    from . import cli_chat, cli_generate, cli_imatrix, cli_quantize, cli_serve, cli_tokenize
 
-    for module in (cli_generate, cli_chat, cli_serve, cli_quantize, cli_tokenize):
+    for module in (cli_generate, cli_chat, cli_serve, cli_quantize, cli_imatrix, cli_tokenize):
         module.register(app)
 
 
