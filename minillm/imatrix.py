@@ -9,9 +9,11 @@ chunks of n_ctx tokens, the first of each replaced by BOS; at least two chunks. 
 evaluated n_seq = n_batch / n_ctx at a time, one KV stream each, and llama.cpp splits that
 batch into ubatches of n_ubatch rows: with one stream consecutive tokens, with several an
 equal share of every sequence, stream after stream. The float32 sums follow the rows in that
-order, and a ubatch of fewer than 16 rows is not counted, so the chunks here are evaluated in
-the same pieces and order (each still computed as llama.cpp computes it alone). A perplexity
-of the second half of each chunk is reported along the way, as llama-imatrix prints it.
+order, and a ubatch of fewer than 16 rows is not counted. So each ubatch is evaluated here as
+one forward too: the products over all its rows (ggml's K-quant kernels round a row
+differently by where it falls in the batch), attention per stream over the stream's own cache
+and rows. A perplexity of the second half of each chunk is reported along the way, as
+llama-imatrix prints it.
 """
 from __future__ import annotations
 
@@ -59,6 +61,15 @@ class ActivationRecorder:
         ops.linear = lambda w, x: self.saw((w,), x) or base.linear(w, x)
         ops.linear2 = lambda w1, w2, x: self.saw((w1, w2), x) or base.linear2(w1, w2, x)
         ops.linear3 = lambda w1, w2, w3, x: self.saw((w1, w2, w3), x) or base.linear3(w1, w2, w3, x)
+
+        def rope_attend(q, k, v, positions, rope_table, kv, *args):
+            """With one kv per stream (StreamKV): each stream's rows over its own cache."""
+            if not isinstance(kv, StreamKV):
+                return base.rope_attend(q, k, v, positions, rope_table, kv, *args)
+            cos, sin = rope_table
+            return np.concatenate([base.rope_attend(q[a:b], k[a:b], v[a:b], positions[a:b], (cos[a:b], sin[a:b]),
+                                                    kv_s, *args) for a, b, kv_s in kv.parts])
+        ops.rope_attend = rope_attend
         return ops
 
     def saw(self, weights, x: np.ndarray) -> None:
@@ -73,6 +84,29 @@ class ActivationRecorder:
             e.counts[0] += x.shape[0]
             if not np.all(np.isfinite(e.sum2)):
                 raise MinillmError(f"non-finite values detected in the inputs of {name}")
+
+
+@dataclass
+class StreamKV:
+    """One layer's caches in a ubatch of several streams: (first row, end row, kv tuple) each."""
+    parts: list
+
+
+def forward_streams(arch, pieces) -> np.ndarray:
+    """One ubatch of several streams, pieces [(cache, ids)], evaluated as llama.cpp does it:
+    every product over all the rows together, attention per stream. Logits (rows, n_vocab)."""
+    positions = [cache.reserve(len(ids)) for cache, ids in pieces]
+    ends = np.cumsum([len(ids) for _, ids in pieces])
+    starts = ends - [len(ids) for _, ids in pieces]
+
+    def kv_of(il):
+        return StreamKV([(a, b, arch.cache_kv(cache, il)) for a, b, (cache, _) in zip(starts, ends, pieces)])
+
+    x = arch.run_layers(np.concatenate([ids for _, ids in pieces]), np.concatenate(positions), kv_of, 0,
+                        arch.layers, pieces[0][0].n_ctx)
+    for cache, ids in pieces:
+        cache.commit(len(ids))
+    return arch.output_logits(x, arch.output.packed)
 
 
 @dataclass
@@ -123,14 +157,15 @@ def compute_imatrix(model, text: str, dataset: str, n_ctx: int = 512, n_batch: i
                 size = min(n_batch, n_ctx - b0)
                 for t0, n, n_seqs in ubatches(len(chunks), size, n_ubatch, n_seq):
                     recorder.collecting = n * n_seqs >= MIN_UBATCH_ROWS
-                    for chunk, cache in zip(chunks, caches):
-                        start = b0 + t0
-                        ids = chunk[start:start + n].copy()
-                        if start == 0 and bos is not None:
+                    start = b0 + t0
+                    pieces = [(cache, chunk[start:start + n].copy()) for chunk, cache in zip(chunks, caches)]
+                    if start == 0 and bos is not None:
+                        for _, ids in pieces:
                             ids[0] = bos
-                        logits = model.eval(ids, cache, 0, n)
-                        if compute_ppl:
-                            nll = _scored_nll(logits, chunk, start, n_ctx)
+                    logits = forward_streams(model.arch, pieces)
+                    if compute_ppl:
+                        for s, chunk in enumerate(chunks):
+                            nll = _scored_nll(logits[s * n:(s + 1) * n], chunk, start, n_ctx)
                             nll_total += nll.sum()
                             n_scored += nll.size
             if progress:

@@ -253,3 +253,25 @@ def reference_logits(m: SyntheticModel, ids) -> np.ndarray:
         x = x + (_rms(f, v[p + "post_ffw_norm.weight"]) if gemma else f)
     x = _rms(x, v["output_norm.weight"])
     return x @ v["token_embd.weight"].T
+
+
+def synthetic_imatrix(model_path, seed: int = 7):
+    """A deterministic importance matrix for every layer weight of a GGUF model (whatever ggml
+    build computes the model): per column, in_sum2 = rows * a mean square spread over four
+    orders of magnitude, with some dead (zero) columns; rows 1024. For testing the quantizers
+    against llama-quantize --imatrix with the same file (tests/llama_ref/record_imatrix.py)."""
+    from minillm.gguf_file import GGUFFile
+    from minillm.imatrix_file import Entry, Imatrix
+
+    rng = np.random.default_rng(seed)
+    entries = {}
+    with GGUFFile(model_path) as gf:
+        for name in sorted(gf.tensors):
+            info = gf.tensors[name]
+            if not name.startswith("blk.") or len(info.shape) != 2:
+                continue
+            ne0 = info.shape[0]
+            mean_sq = (10.0 ** rng.uniform(-3, 1, ne0)) * (rng.random(ne0) > 0.02)
+            sum1 = rng.standard_normal(ne0) * np.sqrt(mean_sq) * 1024
+            entries[name] = Entry((mean_sq * 1024).astype(np.float32), np.array([1024]), sum1.astype(np.float32))
+    return Imatrix(entries, ["synthetic"], 2, 512)

@@ -361,14 +361,15 @@ class Transformer:
         positions = cache.reserve(len(ids))
         # as llama.cpp, the last layer's feed-forward runs on the output rows only
         out_from = min(logits_from, len(ids) - 1)
-
-        def kv_of(il):  # the CPU layers' view of the cache (kernels/cpu/layers.py)
-            kc, vc, group, slots = cache.layer(il)
-            return kc, vc, group.kv_pos, slots, group.n_keep, NO_PAGING
-
-        x = self.run_layers(ids, positions, kv_of, out_from, self.layers, cache.n_ctx)
+        x = self.run_layers(ids, positions, lambda il: self.cache_kv(cache, il), out_from, self.layers, cache.n_ctx)
         cache.commit(len(ids))
         return self.output_logits(x[logits_from - out_from:], self.output.packed)
+
+    @staticmethod
+    def cache_kv(cache, il: int) -> tuple:
+        """Layer il's view of one sequence's cache, as the CPU layers take it (kernels/cpu/layers.py)."""
+        kc, vc, group, slots = cache.layer(il)
+        return kc, vc, group.kv_pos, slots, group.n_keep, NO_PAGING
 
     def forward_rows(self, ids: np.ndarray, positions: np.ndarray, kv_of, out_from: int, n_ctx: int) -> np.ndarray:
         """The batching scheduler's forward: rows of several sequences (ids, positions (T,)),
