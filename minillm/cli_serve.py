@@ -51,6 +51,10 @@ def register(app: typer.Typer) -> None:
         threads: Optional[int] = THREADS,
         cache_type_k: str = CACHE_TYPE_K,
         cache_type_v: str = CACHE_TYPE_V,
+        kv_memory: Optional[float] = typer.Option(
+            None, "--kv-memory", metavar="MIB", min=1,
+            help="The KV pool's size in MiB (default: every slot's full context). A quantized cache "
+                 "(-ctk/-ctv q8_0) fits about twice the tokens in the same memory, so fewer preemptions."),
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Log every request on stderr."),
     ):
         """Serve the model over HTTP with OpenAI's API (chat/completions, completions, models)."""
@@ -70,7 +74,7 @@ def register(app: typer.Typer) -> None:
             raise MinillmError(f"no model file at {model}")
         sock = listen(host, port)
         state = ServerState(Settings(model, parallel, ctx, batch, max_queue, api_key or None, scheduling, threads,
-                                        (cache_type_k, cache_type_v)))
+                                        (cache_type_k, cache_type_v), int(kv_memory * 2**20) if kv_memory else None))
         config = uvicorn.Config(build_app(state), lifespan="off", log_level="info" if verbose else "warning",
                                 access_log=verbose, timeout_graceful_shutdown=3, timeout_keep_alive=5)
         server = Server(config, state)
@@ -82,7 +86,7 @@ def register(app: typer.Typer) -> None:
             s = state.scheduler
             _err(f"minillm serve: ready: {state.model_name}, {len(s.slots)} sequences at once, context {s.n_ctx}, "
                  f"{state.model.threads} threads, KV cache {s.pool.nbytes / 2**20:.1f} MiB "
-                 f"({'/'.join(state.model.cache_types)})")
+                 f"({'/'.join(state.model.cache_types)}, {s.pool.n_cells} cells)")
 
         def failed(exc) -> None:
             server.should_exit = True

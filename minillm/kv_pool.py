@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kv_cache import F16_CACHE, cache_array
+from .errors import MinillmError
+from .kv_cache import F16_CACHE, cache_array, cache_bytes
 
 SHIFT = 4
 BLOCK = 1 << SHIFT  # cells per block
@@ -91,6 +92,26 @@ class KVPool:
                   for g in self.layer_groups]
         self.v = [cache_array(self.groups[g].n_blocks * BLOCK, hp.n_head_kv, hp.head_dim, cache_types[1])
                   for g in self.layer_groups]
+
+    @staticmethod
+    def cells_within(arch, n_seqs: int, n_ctx: int, n_batch: int, cache_types, budget: int) -> int:
+        """The most cells of the context-sized pool whose whole pool (the windowed layers' rings
+        included) takes at most `budget` bytes; a quantized cache gets more cells. MinillmError
+        if that is not one context of n_ctx (one request must fit alone)."""
+        hp = arch.hp
+        sizes, layer_groups = arch.cache_layout(n_ctx, n_batch)
+
+        def layer_bytes(n_cells: int) -> int:     # one layer's K and V
+            return sum(cache_bytes(n_cells, hp.n_head_kv, hp.head_dim, t) for t in cache_types)
+
+        fixed = sum(layer_bytes(n_seqs * -(-sizes[g] // BLOCK) * BLOCK) for g in layer_groups if sizes[g] < n_ctx)
+        per_cell = sum(layer_bytes(1) for g in layer_groups if sizes[g] >= n_ctx)
+        cells = max(0, budget - fixed) // per_cell // BLOCK * BLOCK
+        if cells < n_ctx:
+            need = fixed + per_cell * -(-n_ctx // BLOCK) * BLOCK
+            raise MinillmError(f"a KV memory of {budget / 2**20:.1f} MiB holds {cells} cells of {'/'.join(cache_types)}, "
+                               f"less than one context of {n_ctx}: it needs {need / 2**20:.1f} MiB")
+        return cells
 
     @property
     def nbytes(self) -> int:

@@ -180,12 +180,13 @@ class Model:
         return chunks if stream else Result.collect(chunks)
 
     def scheduler(self, parallel: int = 4, n_ctx: int | None = None, batch: int | None = None,
-                  kv_cells: int | None = None, policy: str = "priority"):
+                  kv_cells: int | None = None, policy: str = "priority", kv_memory: int | None = None):
         """A continuous-batching Scheduler over this model (see scheduler.py): submit() requests,
-        iterate their handles for Chunks; `parallel` sequences decode in one pass."""
+        iterate their handles for Chunks; `parallel` sequences decode in one pass. The KV pool
+        holds kv_cells cells, or as many as kv_memory bytes hold (default: every slot's context)."""
         from .scheduler import DEFAULT_CHUNK, Scheduler
 
-        return Scheduler(self, parallel, n_ctx, batch or DEFAULT_CHUNK, kv_cells, policy)
+        return Scheduler(self, parallel, n_ctx, batch or DEFAULT_CHUNK, kv_cells, policy, kv_memory)
 
     def generate_batch(self, prompts, max_tokens: int = 128, parallel: int = 4, n_ctx: int | None = None,
                        stop: list[str] = (), **sampling) -> list:

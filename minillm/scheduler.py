@@ -196,10 +196,12 @@ class Scheduler:
     """Continuous batching over one model: submit() requests, then step() (or start() a thread
     that steps while there is work). `parallel` sequences at once, each up to n_ctx positions,
     their cells from a pool of kv_cells (default: enough for every slot's full context; pages
-    are touched only when written)."""
+    are touched only when written), or of as many cells as kv_memory bytes hold in the model's
+    cache types (a quantized cache: more cells, so more sequences before preemption)."""
 
     def __init__(self, model, parallel: int = DEFAULT_PARALLEL, n_ctx: int | None = None,
-                 batch: int = DEFAULT_CHUNK, kv_cells: int | None = None, policy: str = "priority"):
+                 batch: int = DEFAULT_CHUNK, kv_cells: int | None = None, policy: str = "priority",
+                 kv_memory: int | None = None):
         if model.backend is not None:
             raise MinillmError("batched generation runs on the CPU only for now (use --device cpu)")
         if policy not in POLICIES:
@@ -211,9 +213,12 @@ class Scheduler:
         self.policy = policy
         self.n_ctx = n_ctx or min(4096, model.hp.n_ctx_train)
         self.batch = max(1, batch)  # prompt tokens a step, all sequences together
-        kv_cells = max(kv_cells or parallel * self.n_ctx, self.n_ctx)  # one request always fits alone
         # a sequence takes at most min(batch, n_ctx) rows a step: the windows' rings hold that much more
-        self.pool = KVPool(model.arch, parallel, self.n_ctx, kv_cells, min(self.batch, self.n_ctx), model.cache_types)
+        rows = min(self.batch, self.n_ctx)
+        if kv_memory is not None:
+            kv_cells = KVPool.cells_within(model.arch, parallel, self.n_ctx, rows, model.cache_types, kv_memory)
+        kv_cells = max(kv_cells or parallel * self.n_ctx, self.n_ctx)  # one request always fits alone
+        self.pool = KVPool(model.arch, parallel, self.n_ctx, kv_cells, rows, model.cache_types)
         self.slots = [_Slot(i) for i in range(parallel)]
         self.queue: list[Handle] = []
         self.threaded = False

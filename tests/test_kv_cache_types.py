@@ -56,6 +56,22 @@ def test_cache_memory_and_refusals():
             minillm.Model(model_path("smollm2"), cache_types=types)
 
 
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_a_memory_budget_holds_more_cells_when_quantized(name):
+    """Scheduler(kv_memory=...): the pool as large as the bytes allow (Gemma's windowed rings
+    included); q8_0 fits 64/34 as many context cells, so more sequences before preemption."""
+    mib = {"smollm2": 64, "gemma3": 192}[name]   # Gemma: 8 sequences' 1,024-row rings in 15 local layers
+    pools = {t: quantized_model(name, t).scheduler(parallel=8, n_ctx=2048, kv_memory=mib << 20).pool
+             for t in ("f16", "q8_0")}
+    for pool in pools.values():
+        assert (mib << 20) * 0.97 <= pool.nbytes <= mib << 20
+    assert pools["q8_0"].n_cells / pools["f16"].n_cells >= 1.8
+    REPORT.append(f"{name}: a {mib} MiB KV pool holds {pools['f16'].n_cells} cells in f16, "
+                  f"{pools['q8_0'].n_cells} in q8_0")
+    with pytest.raises(MinillmError, match="less than one context of 2048: it needs"):
+        quantized_model(name, "f16").scheduler(parallel=8, n_ctx=2048, kv_memory=1 << 20)
+
+
 @pytest.mark.slow
 def test_scheduler_with_a_quantized_cache_is_batch_invariant():
     m = quantized_model("smollm2", "q8_0")

@@ -310,12 +310,13 @@ def quantize_rows(fmt, src: np.ndarray, kind: int = SRC_F32, out: np.ndarray | N
     if (kind == SRC_F32) != (src.dtype == np.float32):
         raise ValueError(f"source kind {kind} does not match a {src.dtype} array")
     if imatrix is not None:
-        from .quantize_imatrix import WEIGHTED_KERNELS
+        from .quantize_imatrix import WEIGHTED, quantize_weighted
 
-        if fmt.name in WEIGHTED_KERNELS:
+        if fmt.name in WEIGHTED:
             if imatrix.shape != (n,):
                 raise ValueError(f"the importance matrix has {imatrix.size} values for rows of {n}")
-            WEIGHTED_KERNELS[fmt.name](np.ascontiguousarray(src), kind, out, np.ascontiguousarray(imatrix, np.float32))
+            quantize_weighted(np.ascontiguousarray(src), kind, out, np.ascontiguousarray(imatrix, np.float32),
+                              WEIGHTED[fmt.name])
             return out
     kernel(np.ascontiguousarray(src), kind, out.view(dtype))
     return out

@@ -8,8 +8,8 @@ themselves fitted with make_qp_quants / make_qx_quants weighted by the groups' t
 Q6_K weights by the importance alone; Q8_0 ignores it. The float rules of quantize_scalar.py
 apply.
 
-Row kernels have the signature `kernel(src, kind, out, qw)` (see quantize.py), qw (n,) float32
-the importance of each column (the same for every row).
+One row kernel does every format: `quantize_weighted(src, kind, out, qw, code)` (src, kind and
+out as in quantize.py), qw (n,) float32 the importance of each column (the same for every row).
 """
 import numba as nb
 import numpy as np
@@ -20,6 +20,8 @@ from .quantize_k import (
 )
 from .quantize import _row
 from .quantize_scalar import _F, _JIT, _JIT_INLINE, _PAR, _pack_q5, _put_f16, _put_u32
+
+Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = range(9)      # quantize_weighted's codes
 
 
 @nb.njit(**_JIT_INLINE)
@@ -85,48 +87,21 @@ def _block_q5_1_w(x, i0, y, o, qw, sigma2, weights, L, Laux):
     _put_u32(y, o + 4, qh)
 
 
-@nb.njit(**_PAR)
-def quantize_q4_0_w(src, kind, out, qw):
-    rows, n = src.shape
-    for r in nb.prange(rows):
-        x = _row(src, kind, r, np.empty(n, np.float32))
-        sigma2 = _sum_squares(x, 0, n) / _F(n)
-        weights, L = np.empty(32, np.float32), np.empty(32, np.int32)
-        for b in range(n // 32):
-            _block_q4_0_w(x, 32 * b, out[r], 18 * b, qw, sigma2, weights, L)
-
-
-@nb.njit(**_PAR)
-def quantize_q5_0_w(src, kind, out, qw):
-    rows, n = src.shape
-    for r in nb.prange(rows):
-        x = _row(src, kind, r, np.empty(n, np.float32))
-        sigma2 = _sum_squares(x, 0, n) / _F(n)
-        weights, L = np.empty(32, np.float32), np.empty(32, np.int32)
-        for b in range(n // 32):
-            _block_q5_0_w(x, 32 * b, out[r], 22 * b, qw, sigma2, weights, L)
-
-
-@nb.njit(**_PAR)
-def quantize_q4_1_w(src, kind, out, qw):
-    rows, n = src.shape
-    for r in nb.prange(rows):
-        x = _row(src, kind, r, np.empty(n, np.float32))
-        sigma2 = _sum_squares(x, 0, n) / _F(n)
-        weights, L, Laux = np.empty(32, np.float32), np.empty(32, np.int32), np.empty(32, np.int32)
-        for b in range(n // 32):
-            _block_q4_1_w(x, 32 * b, out[r], 20 * b, qw, sigma2, weights, L, Laux)
-
-
-@nb.njit(**_PAR)
-def quantize_q5_1_w(src, kind, out, qw):
-    rows, n = src.shape
-    for r in nb.prange(rows):
-        x = _row(src, kind, r, np.empty(n, np.float32))
-        sigma2 = _sum_squares(x, 0, n) / _F(n)
-        weights, L, Laux = np.empty(32, np.float32), np.empty(32, np.int32), np.empty(32, np.int32)
-        for b in range(n // 32):
-            _block_q5_1_w(x, 32 * b, out[r], 24 * b, qw, sigma2, weights, L, Laux)
+@nb.njit(**_JIT)
+def _row_32_w(x, y, qw, code):
+    """One row of 32-value blocks; sigma2 is the whole row's mean square."""
+    n = x.size
+    sigma2 = _sum_squares(x, 0, n) / _F(n)
+    weights, L, Laux = np.empty(32, np.float32), np.empty(32, np.int32), np.empty(32, np.int32)
+    for b in range(n // 32):
+        if code == Q4_0:
+            _block_q4_0_w(x, 32 * b, y, 18 * b, qw, sigma2, weights, L)
+        elif code == Q4_1:
+            _block_q4_1_w(x, 32 * b, y, 20 * b, qw, sigma2, weights, L, Laux)
+        elif code == Q5_0:
+            _block_q5_0_w(x, 32 * b, y, 22 * b, qw, sigma2, weights, L)
+        else:
+            _block_q5_1_w(x, 32 * b, y, 24 * b, qw, sigma2, weights, L, Laux)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,61 +178,39 @@ def _block_q6_k_w(x, i0, y, o, qw, L, Laux, weights, scales, mins, sw, Ls, Lm):
     _finish_q6_k(x, i0, y, o, L, scales)
 
 
-@nb.njit(**_JIT_INLINE)
-def _k_scratch():
-    """(L, Laux, weights, scales, mins, sw, Ls, Lm) for one row of super-blocks."""
-    return (np.empty(QK_K, np.int32), np.empty(32, np.int32), np.empty(32, np.float32), np.empty(16, np.float32),
-            np.empty(16, np.float32), np.empty(16, np.float32), np.empty(16, np.int32), np.empty(16, np.int32))
+@nb.njit(**_JIT)
+def _row_k_w(x, y, qw, code):
+    """One row of super-blocks. Scratch: L int32 (256), Laux int32 (32), weights float32 (32),
+    scales/mins/sw float32 (16), Ls/Lm int32 (16)."""
+    L, Laux, weights = np.empty(QK_K, np.int32), np.empty(32, np.int32), np.empty(32, np.float32)
+    scales, mins, sw = np.empty(16, np.float32), np.empty(16, np.float32), np.empty(16, np.float32)
+    Ls, Lm = np.empty(16, np.int32), np.empty(16, np.int32)
+    for b in range(x.size // QK_K):
+        i0 = QK_K * b
+        if code == Q2_K:
+            _block_q2_k_w(x, i0, y, 84 * b, qw, L, Laux, weights, scales, mins, sw, Ls, Lm)
+        elif code == Q3_K:
+            _block_q3_k_w(x, i0, y, 110 * b, qw, L, Laux, weights, scales, mins, sw, Ls, Lm)
+        elif code == Q4_K:
+            _block_q4_k_w(x, i0, y, 144 * b, qw, L, Laux, weights, scales, mins, sw, Ls, Lm)
+        elif code == Q5_K:
+            _block_q5_k_w(x, i0, y, 176 * b, qw, L, Laux, weights, scales, mins, sw, Ls, Lm)
+        else:
+            _block_q6_k_w(x, i0, y, 210 * b, qw, L, Laux, weights, scales, mins, sw, Ls, Lm)
 
 
 @nb.njit(**_PAR)
-def quantize_q2_k_w(src, kind, out, qw):
+def quantize_weighted(src, kind, out, qw, code):
+    """out (rows, row_bytes) uint8: src's rows in format `code` (WEIGHTED), rows in parallel."""
     rows, n = src.shape
     for r in nb.prange(rows):
-        x, scratch = _row(src, kind, r, np.empty(n, np.float32)), _k_scratch()
-        for b in range(n // QK_K):
-            _block_q2_k_w(x, QK_K * b, out[r], 84 * b, qw, *scratch)
+        x = _row(src, kind, r, np.empty(n, np.float32))
+        if code <= Q5_1:
+            _row_32_w(x, out[r], qw, code)
+        else:
+            _row_k_w(x, out[r], qw, code)
 
 
-@nb.njit(**_PAR)
-def quantize_q3_k_w(src, kind, out, qw):
-    rows, n = src.shape
-    for r in nb.prange(rows):
-        x, scratch = _row(src, kind, r, np.empty(n, np.float32)), _k_scratch()
-        for b in range(n // QK_K):
-            _block_q3_k_w(x, QK_K * b, out[r], 110 * b, qw, *scratch)
-
-
-@nb.njit(**_PAR)
-def quantize_q4_k_w(src, kind, out, qw):
-    rows, n = src.shape
-    for r in nb.prange(rows):
-        x, scratch = _row(src, kind, r, np.empty(n, np.float32)), _k_scratch()
-        for b in range(n // QK_K):
-            _block_q4_k_w(x, QK_K * b, out[r], 144 * b, qw, *scratch)
-
-
-@nb.njit(**_PAR)
-def quantize_q5_k_w(src, kind, out, qw):
-    rows, n = src.shape
-    for r in nb.prange(rows):
-        x, scratch = _row(src, kind, r, np.empty(n, np.float32)), _k_scratch()
-        for b in range(n // QK_K):
-            _block_q5_k_w(x, QK_K * b, out[r], 176 * b, qw, *scratch)
-
-
-@nb.njit(**_PAR)
-def quantize_q6_k_w(src, kind, out, qw):
-    rows, n = src.shape
-    for r in nb.prange(rows):
-        x, scratch = _row(src, kind, r, np.empty(n, np.float32)), _k_scratch()
-        for b in range(n // QK_K):
-            _block_q6_k_w(x, QK_K * b, out[r], 210 * b, qw, *scratch)
-
-
-# target type name -> kernel(src, kind, out, qw); the others take no importance matrix
-WEIGHTED_KERNELS = {
-    "Q4_0": quantize_q4_0_w, "Q4_1": quantize_q4_1_w, "Q5_0": quantize_q5_0_w, "Q5_1": quantize_q5_1_w,
-    "Q2_K": quantize_q2_k_w, "Q3_K": quantize_q3_k_w, "Q4_K": quantize_q4_k_w, "Q5_K": quantize_q5_k_w,
-    "Q6_K": quantize_q6_k_w,
-}
+# the formats ggml quantizes with an importance matrix -> their code for quantize_weighted
+WEIGHTED = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "Q2_K": Q2_K, "Q3_K": Q3_K, "Q4_K": Q4_K,
+            "Q5_K": Q5_K, "Q6_K": Q6_K}

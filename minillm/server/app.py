@@ -42,6 +42,7 @@ class Settings:
     scheduling: str = "priority"
     threads: int | None = None
     cache_types: tuple[str, str] = ("f16", "f16")   # -ctk, -ctv
+    kv_memory: int | None = None                   # bytes of KV pool (None: every slot's context)
 
 
 class ServerState:
@@ -66,7 +67,7 @@ class ServerState:
             model = Model(s.model, threads=s.threads, device="cpu", cache_types=s.cache_types)
             model.warm_up()
             model.tokenizer  # noqa: B018
-            self.scheduler = model.scheduler(s.parallel, s.ctx, s.batch, policy=s.scheduling)
+            self.scheduler = model.scheduler(s.parallel, s.ctx, s.batch, policy=s.scheduling, kv_memory=s.kv_memory)
             self.scheduler.start()
             self.model = model
         except Exception as exc:  # noqa: BLE001 (reported to the command, which exits 1)

