@@ -31,6 +31,7 @@ from .attention import _NO_TABLE, _capped, _first_cell, _heads_per_job, _next_vi
 from .f16 import f16_bits, f16_round
 from .fma import fma
 from .quantize_scalar import _block_q4_0
+from .simd import dot_q_lanes, f32_mad_16, f32_rescale_add_16, unpack_q4_0_codes, unpack_q8_0_codes
 from .unpack import F16_TO_F32
 
 KV_Q8_0, KV_Q4_0 = 1, 2
@@ -115,49 +116,35 @@ def store_kv_quantized(k, v, slots, n_kv_heads, head_dim, kcache, vcache):
                     _block_q4_0(v[t], i0, vcache[s, h], 18 * b)
 
 
+_ONES = np.ones(2048, np.float32)    # block scales of 1: the codes as they are
+
+
 @nb.njit(**_INLINE)
 def _unpack_row(cache, row, h, D, q8, scale_values, codes, scales):
-    """Row `row`, head h of a quantized cache (P, H, R) as float32: codes (D,) the codes (small
-    integers, exact), scales (D/32,) the block scales; with scale_values, codes * scale (the
-    values, dequantize_row_q8_0 / _q4_0). Indexed in place: a view would cost atomic
-    reference counts."""
+    """Row `row`, head h of a quantized cache (P, H, R) as float32: codes (D,) the codes
+    (small integers, exact), scales (D/32,) the block scales; with scale_values, codes * scale
+    (the values, dequantize_row_q8_0 / _q4_0), a vector step per block (simd.py)."""
     nbytes = 34 if q8 else 18
     for b in range(D // 32):
         o = nbytes * b
-        d = F16_TO_F32[np.int64(cache[row, h, o]) | (np.int64(cache[row, h, o + 1]) << 8)]
-        scales[b] = d
-        f = d if scale_values else np.float32(1.0)
-        if q8:
-            for j in range(32):
-                codes[32 * b + j] = np.float32(np.int8(cache[row, h, o + 2 + j])) * f
-        else:
-            for j in range(16):
-                byte = np.int32(cache[row, h, o + 2 + j])
-                codes[32 * b + j] = np.float32((byte & 15) - 8) * f
-                codes[32 * b + j + 16] = np.float32((byte >> 4) - 8) * f
+        scales[b] = F16_TO_F32[np.int64(cache[row, h, o]) | (np.int64(cache[row, h, o + 1]) << 8)]
+    start = (row * cache.shape[1] + h) * cache.shape[2]
+    factors = scales if scale_values else _ONES
+    if q8:
+        unpack_q8_0_codes(codes, 0, cache, start, 34, factors, D // 32)
+    else:
+        unpack_q4_0_codes(codes, 0, cache, start, 18, factors, D // 32)
 
 
 @nb.njit(**_INLINE)
-def _dot(kc, kd, qq, qd, g, D, prod):
+def _dot(kc, kd, qq, qd, g, D, dd):
     """ggml_vec_dot_{q8_0,q4_0}_q8_0 of a K row (codes kc, block scales kd) and query g (codes
     qq[g], scales qd[g]), as ggml's AVX2 code: per 32-block, 8 lanes each summing the products
     of 4 neighbouring codes (integers below 2^24: exact in float32, in any order), lane l's
-    acc = fma(d_k * d_q, sum, acc); then hsum_float_8. prod (D,) float32 is scratch."""
-    for j in range(D):
-        prod[j] = kc[j] * qq[g, j]
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+    acc = fma(d_k * d_q, sum, acc); then hsum_float_8 (simd.dot_q_lanes). dd (D/32,) scratch."""
     for b in range(D // 32):
-        d = kd[b] * qd[g, b]
-        j = 32 * b
-        a0 = fma(d, (prod[j] + prod[j + 1]) + (prod[j + 2] + prod[j + 3]), a0)
-        a1 = fma(d, (prod[j + 4] + prod[j + 5]) + (prod[j + 6] + prod[j + 7]), a1)
-        a2 = fma(d, (prod[j + 8] + prod[j + 9]) + (prod[j + 10] + prod[j + 11]), a2)
-        a3 = fma(d, (prod[j + 12] + prod[j + 13]) + (prod[j + 14] + prod[j + 15]), a3)
-        a4 = fma(d, (prod[j + 16] + prod[j + 17]) + (prod[j + 18] + prod[j + 19]), a4)
-        a5 = fma(d, (prod[j + 20] + prod[j + 21]) + (prod[j + 22] + prod[j + 23]), a5)
-        a6 = fma(d, (prod[j + 24] + prod[j + 25]) + (prod[j + 26] + prod[j + 27]), a6)
-        a7 = fma(d, (prod[j + 28] + prod[j + 29]) + (prod[j + 30] + prod[j + 31]), a7)
-    return ((a4 + a0) + (a6 + a2)) + ((a5 + a1) + (a7 + a3))
+        dd[b] = kd[b] * qd[g, b]
+    return dot_q_lanes(kc, qq, g * D, dd, D // 32)
 
 
 @nb.njit(**_INLINE)
@@ -192,7 +179,7 @@ def _one_chunk_q(qq, qd, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, t
     acc = np.zeros((G, D), np.float32)
     m = np.full(G, -np.inf, np.float32)
     s_sum = np.zeros(G, np.float32)
-    prod = np.empty(D, np.float32)
+    dd = np.empty(D // 32, np.float32)
     ring_start = _ring_start(newest, n_keep, n_slots)
     cell, row = _next_visible(_first_cell(pos, window), pos + 1, pos, window, n_keep, ring_start, n_slots, kv_pos,
                               table, shift)
@@ -200,17 +187,17 @@ def _one_chunk_q(qq, qd, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, t
         _unpack_row(kcache, row, kvh, D, k_q8, False, kc, kd)
         _unpack_row(vcache, row, kvh, D, v_q8, True, vrow, vd)
         for g in range(G):
-            score = _capped(_dot(kc, kd, qq, qd, g, D, prod) * scale, softcap)
+            score = _capped(_dot(kc, kd, qq, qd, g, D, dd) * scale, softcap)
             if score > m[g]:
                 ms = np.float32(math.exp(m[g] - score))
                 m[g] = score
-                for d in range(D):
-                    acc[g, d] = acc[g, d] * ms + vrow[d]
+                for d in range(0, D, 16):
+                    f32_rescale_add_16(acc, g * D + d, vrow, d, ms)      # acc * ms + v
                 s_sum[g] = fma(s_sum[g], ms, np.float32(1.0))
             else:
                 vs = np.float32(math.exp(score - m[g]))
-                for d in range(D):
-                    acc[g, d] = fma(vrow[d], vs, acc[g, d])
+                for d in range(0, D, 16):
+                    f32_mad_16(acc, g * D + d, vrow, d, vs)              # fma(v, vs, acc)
                 s_sum[g] = s_sum[g] + vs
         cell, row = _next_visible(cell + 1, pos + 1, pos, window, n_keep, ring_start, n_slots, kv_pos, table, shift)
     for g in range(G):

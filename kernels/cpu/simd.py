@@ -87,6 +87,127 @@ def f16_rescale_add_rows(typingctx, acc, acc_off, v, v_off, ms):
     return sig, codegen
 
 
+@intrinsic
+def f32_mad_16(typingctx, acc, acc_off, v, v_off, s):
+    """16 consecutive float32 values: acc[i] = fma(v[i], s, acc[i])."""
+    sig = types.void(acc, types.intp, v, types.intp, types.float32)
+
+    def codegen(context, builder, signature, args):
+        acc_a, acc_o, v_a, v_o, s = args
+        pa = _ptr(context, builder, signature.args[0], acc_a, acc_o, _F32X16)
+        vv = _load_f32x16(context, builder, signature.args[2], v_a, v_o)
+        builder.store(_fma(builder, vv, _splat(builder, s, _F32X16), builder.load(pa, align=4)), pa, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_rescale_add_16(typingctx, acc, acc_off, v, v_off, ms):
+    """16 consecutive float32 values: acc[i] = acc[i] * ms + v[i], two roundings (no fma)."""
+    sig = types.void(acc, types.intp, v, types.intp, types.float32)
+
+    def codegen(context, builder, signature, args):
+        acc_a, acc_o, v_a, v_o, ms = args
+        pa = _ptr(context, builder, signature.args[0], acc_a, acc_o, _F32X16)
+        vv = _load_f32x16(context, builder, signature.args[2], v_a, v_o)
+        scaled = builder.fmul(builder.load(pa, align=4), _splat(builder, ms, _F32X16))
+        builder.store(builder.fadd(scaled, vv), pa, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_F32X32 = ir.VectorType(_F32, 32)
+_F32X8 = ir.VectorType(_F32, 8)
+
+
+def _block_codes(builder, data, at, q4):
+    """The 32 codes of a q8_0 block (int8 at byte `at`) or of a q4_0 block (16 bytes of nibbles:
+    low ones first, each minus 8) as <32 x float>."""
+    i8 = ir.IntType(8)
+    if not q4:
+        raw = builder.load(builder.bitcast(builder.gep(data, [at]), ir.VectorType(i8, 32).as_pointer()), align=1)
+        return builder.sitofp(raw, _F32X32)
+    raw = builder.load(builder.bitcast(builder.gep(data, [at]), ir.VectorType(i8, 16).as_pointer()), align=1)
+    wide = builder.zext(raw, _I32X16)
+    lo = builder.sub(builder.and_(wide, ir.Constant(_I32X16, [15] * 16)), ir.Constant(_I32X16, [8] * 16))
+    hi = builder.sub(builder.lshr(wide, ir.Constant(_I32X16, [4] * 16)), ir.Constant(_I32X16, [8] * 16))
+    both = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+    return builder.sitofp(both, _F32X32)
+
+
+def _unpack_codes(q4):
+    @intrinsic
+    def unpack(typingctx, out, out_off, cache, byte_off, block_bytes, scales, n_blocks):
+        """out[out_off + 32b + j] = code j of block b * scales[b], for the n_blocks blocks of a
+        quantized cache row starting at byte byte_off of the cache (block_bytes apart)."""
+        sig = types.void(out, types.intp, cache, types.intp, types.intp, scales, types.intp)
+
+        def codegen(context, builder, signature, args):
+            out_a, out_o, cache_a, byte_o, step, sc_a, n = args
+            c = lambda v: ir.Constant(out_o.type, v)  # noqa: E731
+            data = cgutils.create_struct_proxy(signature.args[2])(context, builder, value=cache_a).data
+            sc = cgutils.create_struct_proxy(signature.args[5])(context, builder, value=sc_a).data
+
+            def body(b, carried):
+                codes = _block_codes(builder, data, builder.add(builder.add(byte_o, builder.mul(b, step)), c(2)), q4)
+                d = builder.load(builder.gep(sc, [b]))
+                vals = builder.fmul(codes, builder.shuffle_vector(
+                    builder.insert_element(ir.Constant(_F32X32, None), d, ir.Constant(_I32, 0)),
+                    ir.Constant(_F32X32, None), ir.Constant(ir.VectorType(_I32, 32), [0] * 32)))
+                at = builder.add(out_o, builder.mul(b, c(32)))
+                builder.store(vals, _ptr(context, builder, signature.args[0], out_a, at, _F32X32), align=4)
+                return carried
+
+            _loop(builder, n, [], body)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return unpack
+
+
+unpack_q8_0_codes = _unpack_codes(False)
+unpack_q4_0_codes = _unpack_codes(True)
+
+
+@intrinsic
+def dot_q_lanes(typingctx, k, q, q_off, dd, n_blocks):
+    """ggml's AVX2 vec_dot_q8_0_q8_0 / q4_0_q8_0 on codes held as floats: per 32-block, lane l
+    sums the products of codes 4l..4l+3 (exact integers), acc[l] = fma(dd[b], sum, acc[l]);
+    then hsum_float_8: ((4 + 0) + (6 + 2)) + ((5 + 1) + (7 + 3)). k (32 n_blocks,) the key's
+    codes, q[q_off:] the query's, dd (n_blocks,) the products of their block scales."""
+    sig = types.float32(k, q, types.intp, dd, types.intp)
+
+    def codegen(context, builder, signature, args):
+        k_a, q_a, q_o, dd_a, n = args
+        c = lambda v: ir.Constant(q_o.type, v)  # noqa: E731
+        dd_data = cgutils.create_struct_proxy(signature.args[3])(context, builder, value=dd_a).data
+        evens = lambda m: ir.Constant(ir.VectorType(_I32, m), list(range(0, 2 * m, 2)))  # noqa: E731
+        odds = lambda m: ir.Constant(ir.VectorType(_I32, m), list(range(1, 2 * m, 2)))  # noqa: E731
+
+        def body(b, carried):
+            at = builder.mul(b, c(32))
+            kv = builder.load(_ptr(context, builder, signature.args[0], k_a, at, _F32X32), align=4)
+            qv = builder.load(_ptr(context, builder, signature.args[1], q_a, builder.add(q_o, at), _F32X32), align=4)
+            p = builder.fmul(kv, qv)
+            s16 = builder.fadd(builder.shuffle_vector(p, p, evens(16)), builder.shuffle_vector(p, p, odds(16)))
+            s8 = builder.fadd(builder.shuffle_vector(s16, s16, evens(8)), builder.shuffle_vector(s16, s16, odds(8)))
+            d = builder.load(builder.gep(dd_data, [b]))
+            dv = builder.shuffle_vector(builder.insert_element(ir.Constant(_F32X8, None), d, ir.Constant(_I32, 0)),
+                                        ir.Constant(_F32X8, None), ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X8, [_F32X8] * 3), "llvm.fma.v8f32")
+            return [builder.call(fn, [dv, s8, carried[0]])]
+
+        (acc,) = _loop(builder, n, [ir.Constant(_F32X8, [0.0] * 8)], body)
+        lane = lambda j: builder.extract_element(acc, ir.Constant(_I32, j))  # noqa: E731
+        return builder.fadd(builder.fadd(builder.fadd(lane(4), lane(0)), builder.fadd(lane(6), lane(2))),
+                            builder.fadd(builder.fadd(lane(5), lane(1)), builder.fadd(lane(7), lane(3))))
+
+    return sig, codegen
+
+
 def _f32(value):
     return ir.Constant(_F32X16, [float(value)] * LANES)
 
