@@ -21,7 +21,8 @@ def register(app: typer.Typer) -> None:
 
 def imatrix_command(
     model: Path = typer.Argument(..., help="Path to a .gguf model file.", show_default=False),
-    file: Path = typer.Option(..., "-f", "--file", help="Calibration text.", show_default=False),
+    file: str = typer.Option(..., "-f", "--file", help="Calibration text (its path, as typed, is recorded).",
+                             show_default=False),
     out: Path = typer.Option(Path("imatrix.gguf"), "-o", "--output", help="Where to write the matrix (GGUF)."),
     n_ctx: int = typer.Option(512, "-c", "--ctx", min=16, max=1 << 16, help="Tokens per chunk."),
     n_batch: int = typer.Option(2048, "-b", "--batch", min=1, max=1 << 20,
@@ -44,7 +45,7 @@ def imatrix_command(
 
     try:
         try:
-            text = file.read_text(encoding="utf-8")
+            text = Path(file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise MinillmError(f"cannot read {file}: {exc}") from None
         if out.is_dir():
@@ -57,7 +58,7 @@ def imatrix_command(
                 if ppl is not None:
                     bar.set_postfix(ppl=f"{ppl:.4f}")
 
-            result = compute_imatrix(m, text, str(file), n_ctx, n_batch, n_ubatch, chunks, process_output,
+            result = compute_imatrix(m, text, file, n_ctx, n_batch, n_ubatch, chunks, process_output,
                                      not no_ppl, progress)
         with AtomicOutput(out) as f:
             f.write(to_bytes(result.imatrix))

@@ -80,7 +80,7 @@ def quantize_command(
         None, "--prune-layers", metavar="L0,L1,...|auto:N",
         help="Leave these layers out; the rest are renumbered. auto:N measures every layer's cost "
              "(KL divergence when it is left out, on --calibration or --eval text) and drops the N cheapest."),
-    imatrix: Optional[Path] = typer.Option(
+    imatrix: Optional[str] = typer.Option(  # a str: the file records the path as typed, as llama-quantize
         None, "--imatrix", metavar="FILE", show_default=False,
         help="Importance matrix (minillm imatrix or llama-imatrix, GGUF or .dat): weigh each column's "
              "rounding error by how much the model uses it, as llama-quantize --imatrix."),

@@ -187,7 +187,7 @@ def _imatrix_metadata(source, imat: Imatrix) -> tuple:
     def c_string(text: str) -> str:
         return text.encode("utf-8", "surrogateescape")[:127].decode("utf-8", "surrogateescape")
 
-    path = os.fspath(source) if not isinstance(source, Imatrix) else os.fspath(imat.path or "")
+    path = os.fspath(imat.path or "" if isinstance(source, Imatrix) else source)   # as given
     keys = [("quantize.imatrix.file", c_string(path))]
     if imat.datasets:
         keys.append(("quantize.imatrix.dataset", c_string(imat.datasets[0])))
