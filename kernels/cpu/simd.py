@@ -3,7 +3,9 @@
 Numba fully unrolls the 32-row loops of kernels/cpu/matmul.py and then cannot vectorize them
 (it cannot prove the arrays apart), leaving 32 scalar fma per step. These intrinsics do one
 step for the R = 32 rows of a tile in two 16-lane vectors, with the same single-rounding fma
-as ggml's SIMD code. Offsets count elements of each array's flat data."""
+as ggml's SIMD code. The quantized KV cache's attention (attention_q.py) has its steps here too:
+rows of q8_0/q4_0 codes widened, the integer dot's lanes, the float32 V sum. Offsets count
+elements of each array's flat data (bytes for a cache)."""
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -87,39 +89,39 @@ def f16_rescale_add_rows(typingctx, acc, acc_off, v, v_off, ms):
     return sig, codegen
 
 
-@intrinsic
-def f32_mad_16(typingctx, acc, acc_off, v, v_off, s):
-    """16 consecutive float32 values: acc[i] = fma(v[i], s, acc[i])."""
-    sig = types.void(acc, types.intp, v, types.intp, types.float32)
+def _f32_step_16(rescale):
+    @intrinsic
+    def step(typingctx, acc, acc_off, v, v_off, s):
+        """16 consecutive float32 values: acc[i] = fma(v[i], s, acc[i]), or with rescale
+        acc[i] = acc[i] * s + v[i] (two roundings, no fma)."""
+        sig = types.void(acc, types.intp, v, types.intp, types.float32)
 
-    def codegen(context, builder, signature, args):
-        acc_a, acc_o, v_a, v_o, s = args
-        pa = _ptr(context, builder, signature.args[0], acc_a, acc_o, _F32X16)
-        vv = _load_f32x16(context, builder, signature.args[2], v_a, v_o)
-        builder.store(_fma(builder, vv, _splat(builder, s, _F32X16), builder.load(pa, align=4)), pa, align=4)
-        return context.get_dummy_value()
+        def codegen(context, builder, signature, args):
+            acc_a, acc_o, v_a, v_o, s = args
+            pa = _ptr(context, builder, signature.args[0], acc_a, acc_o, _F32X16)
+            vv = _load_f32x16(context, builder, signature.args[2], v_a, v_o)
+            old, sv = builder.load(pa, align=4), _splat(builder, s, _F32X16)
+            new = builder.fadd(builder.fmul(old, sv), vv) if rescale else _fma(builder, vv, sv, old)
+            builder.store(new, pa, align=4)
+            return context.get_dummy_value()
 
-    return sig, codegen
+        return sig, codegen
+
+    return step
 
 
-@intrinsic
-def f32_rescale_add_16(typingctx, acc, acc_off, v, v_off, ms):
-    """16 consecutive float32 values: acc[i] = acc[i] * ms + v[i], two roundings (no fma)."""
-    sig = types.void(acc, types.intp, v, types.intp, types.float32)
-
-    def codegen(context, builder, signature, args):
-        acc_a, acc_o, v_a, v_o, ms = args
-        pa = _ptr(context, builder, signature.args[0], acc_a, acc_o, _F32X16)
-        vv = _load_f32x16(context, builder, signature.args[2], v_a, v_o)
-        scaled = builder.fmul(builder.load(pa, align=4), _splat(builder, ms, _F32X16))
-        builder.store(builder.fadd(scaled, vv), pa, align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
+f32_mad_16 = _f32_step_16(False)           # the V sum's step: acc = fma(v, s, acc)
+f32_rescale_add_16 = _f32_step_16(True)    # a new maximum: acc = acc * s + v
 
 _F32X32 = ir.VectorType(_F32, 32)
 _F32X8 = ir.VectorType(_F32, 8)
+
+
+def _splat_n(builder, value, n):
+    """The float `value` in all n lanes of a vector."""
+    vt = ir.VectorType(_F32, n)
+    v = builder.insert_element(ir.Constant(vt, None), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vt, None), ir.Constant(ir.VectorType(_I32, n), [0] * n))
 
 
 def _block_codes(builder, data, at, q4):
@@ -153,9 +155,7 @@ def _unpack_codes(q4):
             def body(b, carried):
                 codes = _block_codes(builder, data, builder.add(builder.add(byte_o, builder.mul(b, step)), c(2)), q4)
                 d = builder.load(builder.gep(sc, [b]))
-                vals = builder.fmul(codes, builder.shuffle_vector(
-                    builder.insert_element(ir.Constant(_F32X32, None), d, ir.Constant(_I32, 0)),
-                    ir.Constant(_F32X32, None), ir.Constant(ir.VectorType(_I32, 32), [0] * 32)))
+                vals = builder.fmul(codes, _splat_n(builder, d, 32))
                 at = builder.add(out_o, builder.mul(b, c(32)))
                 builder.store(vals, _ptr(context, builder, signature.args[0], out_a, at, _F32X32), align=4)
                 return carried
@@ -195,8 +195,7 @@ def dot_q_lanes(typingctx, k, q, q_off, dd, n_blocks):
             s16 = builder.fadd(builder.shuffle_vector(p, p, evens(16)), builder.shuffle_vector(p, p, odds(16)))
             s8 = builder.fadd(builder.shuffle_vector(s16, s16, evens(8)), builder.shuffle_vector(s16, s16, odds(8)))
             d = builder.load(builder.gep(dd_data, [b]))
-            dv = builder.shuffle_vector(builder.insert_element(ir.Constant(_F32X8, None), d, ir.Constant(_I32, 0)),
-                                        ir.Constant(_F32X8, None), ir.Constant(ir.VectorType(_I32, 8), [0] * 8))
+            dv = _splat_n(builder, d, 8)
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X8, [_F32X8] * 3), "llvm.fma.v8f32")
             return [builder.call(fn, [dv, s8, carried[0]])]
 
