@@ -246,7 +246,7 @@ def _averages(e: Entry, use_activations: bool) -> np.ndarray | None:
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
-def _layer_change(name: str, cur: Entry, prev_name: str, prev: Entry, st: _TensorStats, prev_st: _TensorStats):
+def _layer_change(cur: Entry, prev: Entry, st: _TensorStats, prev_st: _TensorStats):
     """The statistics against the same tensor of an earlier layer: L2 distance, cosine
     similarity, Pearson correlation and covariance of the mean activations, and the gain."""
     use_act = not st.legacy and not prev_st.legacy
@@ -301,7 +301,7 @@ def statistics(entries: dict[str, Entry]) -> dict[str, np.ndarray]:
         for prev in range(int(m.group(1)) - 1, -1, -1):
             prev_name = name[:m.start(1)] + str(prev) + name[m.end(1):]
             if prev_name in stats:
-                _layer_change(name, entries[name], prev_name, entries[prev_name], st, stats[prev_name])
+                _layer_change(entries[name], entries[prev_name], st, stats[prev_name])
                 break
     out = {}
     for name in entries:

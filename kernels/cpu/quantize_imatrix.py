@@ -48,43 +48,36 @@ def _weights(x, i0, qw, sigma2, n, weights):
 # the 32-value formats: sigma2 is the whole row's mean square
 # ---------------------------------------------------------------------------------------------
 @nb.njit(**_JIT_INLINE)
-def _block_q4_0_w(x, i0, y, o, qw, sigma2, weights, L):
-    _weights(x, i0, qw, sigma2, 32, weights)
-    _put_f16(y, o, _make_qx_quants(32, 8, x, i0, L, 0, 1, weights, 0))
-    for j in range(16):
-        y[o + 2 + j] = np.uint8(L[j] | (L[j + 16] << 4))
+def _pack_codes(L, y, o, five):
+    """A 32-value block's codes from byte o: qs[16] (value j low nibble of byte j, value j+16
+    high), or for 5 bits qh (u32, the fifth bits) then qs."""
+    if five:
+        qh = np.uint32(0)
+        for j in range(16):
+            qh |= _pack_q5(L[j], L[j + 16], j, y, o + 4)
+        _put_u32(y, o, qh)
+    else:
+        for j in range(16):
+            y[o + j] = np.uint8(L[j] | (L[j + 16] << 4))
 
 
 @nb.njit(**_JIT_INLINE)
-def _block_q5_0_w(x, i0, y, o, qw, sigma2, weights, L):
+def _block_x_0_w(x, i0, y, o, qw, sigma2, weights, L, five):
+    """Q4_0 / Q5_0 (five): d f16, then the codes; a symmetric fit (make_qx_quants)."""
     _weights(x, i0, qw, sigma2, 32, weights)
-    _put_f16(y, o, _make_qx_quants(32, 16, x, i0, L, 0, 1, weights, 0))
-    qh = np.uint32(0)
-    for j in range(16):
-        qh |= _pack_q5(L[j], L[j + 16], j, y, o + 6)
-    _put_u32(y, o + 2, qh)
+    _put_f16(y, o, _make_qx_quants(32, 16 if five else 8, x, i0, L, 0, 1, weights, 0))
+    _pack_codes(L, y, o + 2, five)
 
 
 @nb.njit(**_JIT_INLINE)
-def _block_q4_1_w(x, i0, y, o, qw, sigma2, weights, L, Laux):
+def _block_x_1_w(x, i0, y, o, qw, sigma2, weights, L, Laux, five):
+    """Q4_1 / Q5_1 (five): d f16, m f16, then the codes; a fit with a min (make_qkx3_quants)."""
     _weights(x, i0, qw, sigma2, 32, weights)
-    d, the_min = _make_qkx3_quants(32, 15, x, i0, weights, L, 0, Laux, _F(-0.9), _F(0.05), 36, False)
+    d, the_min = _make_qkx3_quants(32, 31 if five else 15, x, i0, weights, L, 0, Laux, _F(-0.9), _F(0.05), 36,
+                                   False)
     _put_f16(y, o, d)
     _put_f16(y, o + 2, -the_min)
-    for j in range(16):
-        y[o + 4 + j] = np.uint8(L[j] | (L[j + 16] << 4))
-
-
-@nb.njit(**_JIT_INLINE)
-def _block_q5_1_w(x, i0, y, o, qw, sigma2, weights, L, Laux):
-    _weights(x, i0, qw, sigma2, 32, weights)
-    d, the_min = _make_qkx3_quants(32, 31, x, i0, weights, L, 0, Laux, _F(-0.9), _F(0.05), 36, False)
-    _put_f16(y, o, d)
-    _put_f16(y, o + 2, -the_min)
-    qh = np.uint32(0)
-    for j in range(16):
-        qh |= _pack_q5(L[j], L[j + 16], j, y, o + 8)
-    _put_u32(y, o + 4, qh)
+    _pack_codes(L, y, o + 4, five)
 
 
 @nb.njit(**_JIT)
@@ -95,13 +88,13 @@ def _row_32_w(x, y, qw, code):
     weights, L, Laux = np.empty(32, np.float32), np.empty(32, np.int32), np.empty(32, np.int32)
     for b in range(n // 32):
         if code == Q4_0:
-            _block_q4_0_w(x, 32 * b, y, 18 * b, qw, sigma2, weights, L)
+            _block_x_0_w(x, 32 * b, y, 18 * b, qw, sigma2, weights, L, False)
         elif code == Q4_1:
-            _block_q4_1_w(x, 32 * b, y, 20 * b, qw, sigma2, weights, L, Laux)
+            _block_x_1_w(x, 32 * b, y, 20 * b, qw, sigma2, weights, L, Laux, False)
         elif code == Q5_0:
-            _block_q5_0_w(x, 32 * b, y, 22 * b, qw, sigma2, weights, L)
+            _block_x_0_w(x, 32 * b, y, 22 * b, qw, sigma2, weights, L, True)
         else:
-            _block_q5_1_w(x, 32 * b, y, 24 * b, qw, sigma2, weights, L, Laux)
+            _block_x_1_w(x, 32 * b, y, 24 * b, qw, sigma2, weights, L, Laux, True)
 
 
 # ---------------------------------------------------------------------------------------------
