@@ -51,10 +51,10 @@ FORMATS = [
     Format("Q5_0", 6, 32, 22, 32, False, "q8_0", code_bits=5, code_offset=16),
     Format("Q5_1", 7, 32, 24, 32, True, "q8_1", code_bits=5, code_offset=0),
     Format("Q8_0", 8, 32, 34, 32, False, "q8_0"),
-    Format("Q2_K", 10, 256, 84, 16, True, "q8_k", product="groups", code_bits=4, code_offset=0),
-    Format("Q3_K", 11, 256, 110, 16, False, "q8_k", product="groups", code_bits=4, code_offset=4),
+    Format("Q2_K", 10, 256, 84, 16, True, "q8_k", product="k_lanes", code_bits=4, code_offset=0),
+    Format("Q3_K", 11, 256, 110, 16, False, "q8_k", product="k_lanes", code_bits=4, code_offset=4),
     Format("Q4_K", 12, 256, 144, 32, True, "q8_k", product="q4_k", code_bits=4, code_offset=0),
-    Format("Q5_K", 13, 256, 176, 32, True, "q8_k", product="groups"),
+    Format("Q5_K", 13, 256, 176, 32, True, "q8_k", product="k_lanes"),
     Format("Q6_K", 14, 256, 210, 16, False, "q8_k", product="q6_k"),
     Format("BF16", 30, 1, 2, 0, False, "bf16", quantized=False),
 ]

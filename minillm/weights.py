@@ -13,7 +13,7 @@ _FLOAT_FORMATS = {"F32": layers.FLOAT_F32, "F16": layers.FLOAT_F16, "BF16": laye
 _NO_BYTES = np.zeros(0, np.uint8)
 _NO_SCALES = np.zeros((0, 0, mm.R), np.float32)
 _NO_FLOATS = np.zeros((0, 0), np.float32)
-_INTEGER_SCALES = ("q4_k", "q6_k")  # products computed from the format's own integer sub-scales
+_INTEGER_SCALES = ("q4_k", "q6_k", "k_lanes")  # products computed from the format's own integer sub-scales
 
 
 def row_by_row(packed: tuple) -> tuple:

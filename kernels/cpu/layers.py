@@ -20,7 +20,9 @@ from .attention import attention, attention_rows
 from .attention_q import attention_quantized, hadamard_rotated, rotation_size, store_kv_quantized
 from .f16 import f16_round
 from .lanes import qmatmul_lanes, qmatmul_lanes3
-from .matmul import KIND_Q8_1, PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, ROW_BY_ROW, qmatmul_q4_k, qmatmul_q6_k, qmatmul_tiles, quantize_act
+from .k_quants import qmatmul_k_lanes
+from .matmul import (KIND_Q8_1, PRODUCT_K_LANES, PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, ROW_BY_ROW, qmatmul_q4_k,
+                     qmatmul_q6_k, qmatmul_tiles, quantize_act)
 
 FLOAT_F32, FLOAT_F16, FLOAT_BF16 = 0, 1, 2
 _SPLIT_BF16 = np.float32(65537.0)  # 2^(24-8) + 1: keeps bfloat16's 8 significant bits
@@ -101,6 +103,9 @@ def _apply(w, x, act):
         qmatmul_q4_k(data, scale.view(np.int8), bias.view(np.int8), sb, q, d32, n32, row_by_row, out)
     elif product == PRODUCT_Q6_K:
         qmatmul_q6_k(data, scale.view(np.int8), sb, q, d32, n4, n16, row_by_row, out)
+    elif product == PRODUCT_K_LANES:
+        qmatmul_k_lanes(data, scale.view(np.int8), bias.view(np.int8), sb, bits == 4, offset, q, d32, n4, n16,
+                        row_by_row, out)
     elif group == 16:
         qmatmul_tiles(data, scale, bias, group, offset, bits == 4, q, d16, s16, n16, out)
     else:

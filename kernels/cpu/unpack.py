@@ -116,6 +116,15 @@ def unpack_q2_k(raw, q, scale, bias):
                 q[r, b * 256 + e] = np.int8((v >> (2 * j)) & 3)
 
 
+@nb.njit(inline="always", cache=True)
+def _scale_q3_k(raw, r, o, k):
+    """Q3_K's 6-bit scale number k (0..15) of the block at raw[r, o:], less 32."""
+    bb, grp = k % 4, k // 4
+    low = (np.int32(raw[r, o + 96 + bb + 4 * (grp % 2)]) >> (4 * (grp // 2))) & 15
+    high = (np.int32(raw[r, o + 96 + 8 + bb]) >> (2 * grp)) & 3
+    return (low | (high << 4)) - 32
+
+
 @nb.njit(**_JIT)
 def unpack_q3_k(raw, q, scale, bias):
     # hmask[32] | qs[64] | scales[12] (16 x 6 bits) | d f16; 16 groups of 16
@@ -125,10 +134,7 @@ def unpack_q3_k(raw, q, scale, bias):
             o = b * 110
             d = _f16(raw[r], o + 108)
             for k in range(16):
-                bb, grp = k % 4, k // 4
-                low = (np.int32(raw[r, o + 96 + bb + 4 * (grp % 2)]) >> (4 * (grp // 2))) & 15
-                high = (np.int32(raw[r, o + 96 + 8 + bb]) >> (2 * grp)) & 3
-                scale[r, b * 16 + k] = d * np.float32((low | (high << 4)) - 32)
+                scale[r, b * 16 + k] = d * np.float32(_scale_q3_k(raw, r, o, k))
             for e in range(256):
                 h, rem = e // 128, e % 128
                 j, s, l = rem // 32, (rem % 32) // 16, rem % 16
@@ -239,7 +245,53 @@ def superblocks_q6_k(raw, sc, mins, sb):
                 sc[r, b * 16 + g] = v - 256 * (v >> 7)
 
 
-SUPERBLOCKS = {"Q4_K": superblocks_q4_k, "Q6_K": superblocks_q6_k}
+@nb.njit(**_JIT)
+def superblocks_q2_k(raw, sc, mins, sb):
+    """Q2_K's own scales: sc, mins (rows, K/16) the 4-bit integers, sb (rows, 2 * K/256) each
+    super-block's d and dmin."""
+    rows, nb_ = raw.shape[0], raw.shape[1] // 84
+    for r in nb.prange(rows):
+        for b in range(nb_):
+            o = b * 84
+            sb[r, 2 * b] = _f16(raw[r], o + 80)
+            sb[r, 2 * b + 1] = _f16(raw[r], o + 82)
+            for g in range(16):
+                sc[r, b * 16 + g] = raw[r, o + g] & 15
+                mins[r, b * 16 + g] = raw[r, o + g] >> 4
+
+
+@nb.njit(**_JIT)
+def superblocks_q3_k(raw, sc, mins, sb):
+    """Q3_K's own scales: sc (rows, K/16) the 6-bit integers less 32, sb (rows, 2 * K/256) each
+    super-block's d (and 0); mins (rows, 0) unused."""
+    rows, nb_ = raw.shape[0], raw.shape[1] // 110
+    for r in nb.prange(rows):
+        for b in range(nb_):
+            o = b * 110
+            sb[r, 2 * b] = _f16(raw[r], o + 108)
+            sb[r, 2 * b + 1] = 0
+            for k in range(16):
+                sc[r, b * 16 + k] = _scale_q3_k(raw, r, o, k)
+
+
+@nb.njit(**_JIT)
+def superblocks_q5_k(raw, sc, mins, sb):
+    """Q5_K's own scales: sc, mins (rows, K/32) the 6-bit integers, sb (rows, 2 * K/256) each
+    super-block's d and dmin (the same packing as Q4_K's)."""
+    rows, nb_ = raw.shape[0], raw.shape[1] // 176
+    for r in nb.prange(rows):
+        for b in range(nb_):
+            o = b * 176
+            sb[r, 2 * b] = _f16(raw[r], o)
+            sb[r, 2 * b + 1] = _f16(raw[r], o + 2)
+            for j in range(8):
+                s, m = _scale_min_k4(raw, r, o + 4, j)
+                sc[r, b * 8 + j] = s
+                mins[r, b * 8 + j] = m
+
+
+SUPERBLOCKS = {"Q2_K": superblocks_q2_k, "Q3_K": superblocks_q3_k, "Q4_K": superblocks_q4_k,
+               "Q5_K": superblocks_q5_k, "Q6_K": superblocks_q6_k}
 
 
 def superblocks(fmt, raw: np.ndarray, n_cols: int):
