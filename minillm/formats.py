@@ -29,6 +29,7 @@ class Format:
     product: str = "lanes"  # how llama.cpp's x86 CPU backend sums its products (kernels/cpu/matmul.py)
     code_bits: int = 8      # q + code_offset is unsigned and fits this many bits: the stored width
     code_offset: int = 128
+    repacked_product: str = ""  # the product instead where llama.cpp repacks (rows in eights: REPACK_ROWS)
 
     @property
     def nibble_offset(self) -> int | None:
@@ -40,13 +41,15 @@ class Format:
         return self.type_size * 8 / self.block_size
 
 
+REPACK_ROWS = 8  # llama.cpp's x86 backend repacks a matrix whose rows come in multiples of this
+
 # activation kinds: block size of the Q8 activation quantization
 ACTIVATION_BLOCK = {"q8_0": 32, "q8_1": 32, "q8_k": 256, "f32": 1, "f16": 1, "bf16": 1}
 
 FORMATS = [
     Format("F32", 0, 1, 4, 0, False, "f32", quantized=False),
     Format("F16", 1, 1, 2, 0, False, "f16", quantized=False),
-    Format("Q4_0", 2, 32, 18, 32, False, "q8_0", code_bits=4, code_offset=8),
+    Format("Q4_0", 2, 32, 18, 32, False, "q8_0", code_bits=4, code_offset=8, repacked_product="lanes_blocks"),
     Format("Q4_1", 3, 32, 20, 32, True, "q8_1", code_bits=4, code_offset=0),
     Format("Q5_0", 6, 32, 22, 32, False, "q8_0", code_bits=5, code_offset=16),
     Format("Q5_1", 7, 32, 24, 32, True, "q8_1", code_bits=5, code_offset=0),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .formats import Format
+from .formats import REPACK_ROWS, Format
 from .kernels.cpu import lanes
 from .kernels.cpu import layers
 from .kernels.cpu import matmul as mm
@@ -13,7 +13,6 @@ _FLOAT_FORMATS = {"F32": layers.FLOAT_F32, "F16": layers.FLOAT_F16, "BF16": laye
 _NO_BYTES = np.zeros(0, np.uint8)
 _NO_SCALES = np.zeros((0, 0, mm.R), np.float32)
 _NO_FLOATS = np.zeros((0, 0), np.float32)
-_INTEGER_SCALES = ("q4_k", "q6_k", "k_lanes")  # products computed from the format's own integer sub-scales
 
 
 def row_by_row(packed: tuple) -> tuple:
@@ -29,8 +28,8 @@ class Matrix:
     """A weight matrix (n_rows outputs, n_cols inputs). `packed` is the uniform tuple the
     compiled layers take (see kernels/cpu/layers.py):
     32-block formats -> lanes tiles: codes at their width and float16 scales (kernels/cpu/lanes.py);
-    K-quants -> int8 codes tiled for the VNNI kernels, with per-group scales/biases (for
-    Q4_K/Q6_K: the integer sub-block scales and mins as int8, and super-block scales `sb`);
+    K-quants -> codes tiled for the integer kernels, with their integer sub-block scales and
+    mins as int8, and super-block scales `sb`;
     F32/F16/BF16 -> a float32 (n_rows, n_cols) matrix."""
 
     def __init__(self, name: str, fmt: Format, raw: np.ndarray, n_rows: int, n_cols: int, release=None):
@@ -45,8 +44,9 @@ class Matrix:
             return
         pack = self._pack_lanes if fmt.product == "lanes" else self._pack_tiles
         data, scale, bias, offset, bits, sb = pack(fmt, raw, n_rows, n_cols, release or (lambda r0, r1: None))
+        product = fmt.repacked_product if fmt.repacked_product and n_rows % REPACK_ROWS == 0 else fmt.product
         self.packed = (data, scale, bias, offset, bits, _NO_FLOATS, n_rows, fmt.group, mm.KIND_IDS[fmt.activation],
-                       0, sb, mm.PRODUCT_IDS[fmt.product])
+                       0, sb, mm.PRODUCT_IDS[product])
 
     @staticmethod
     def _chunks(fmt, raw, n_rows, n_cols, release):
@@ -64,19 +64,18 @@ class Matrix:
         return data, _NO_SCALES, _NO_SCALES, fmt.code_offset, fmt.code_bits, _NO_SCALES
 
     def _pack_tiles(self, fmt, raw, n_rows, n_cols, release):
-        integer_scales = fmt.product in _INTEGER_SCALES
+        """The K-quants: codes in tiles, the format's integer sub-block scales and mins (int8)
+        and each super-block's d and dmin (sb)."""
         tiles = mm.empty_tiles(n_rows, n_cols, n_cols // fmt.group, n_cols // fmt.group if fmt.has_bias else 0,
-                               fmt.nibble_offset, np.int8 if integer_scales else np.float32)
-        sb = np.zeros(((n_rows + mm.R - 1) // mm.R, 2 * (n_cols // 256) if integer_scales else 0, mm.R), np.float32)
-        for row0, chunk, q, scale, bias in self._chunks(fmt, raw, n_rows, n_cols, release):
-            if integer_scales:
-                scale, bias, chunk_sb = superblocks(fmt, chunk, n_cols)
-                mm.tile_floats(chunk_sb, row0, sb)
+                               fmt.nibble_offset)
+        sb = np.zeros(((n_rows + mm.R - 1) // mm.R, 2 * (n_cols // 256), mm.R), np.float32)
+        for row0, chunk, q, _, _ in self._chunks(fmt, raw, n_rows, n_cols, release):
+            scale, bias, chunk_sb = superblocks(fmt, chunk, n_cols)
+            mm.tile_floats(chunk_sb, row0, sb)
             mm.fill_tiles(tiles, row0, q, scale, bias)
         data, scale_t, bias_t, offset, nibbles = tiles
-        if integer_scales:  # the tuple's scale slots are float32 3-D for all formats: int8 bytes in them
-            scale_t, bias_t = scale_t.view(np.float32), bias_t.view(np.float32)
-        return data, scale_t, bias_t, offset, 4 if nibbles else 8, sb
+        # the tuple's scale slots are float32 3-D for all formats: the int8 bytes in them
+        return data, scale_t.view(np.float32), bias_t.view(np.float32), offset, 4 if nibbles else 8, sb
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """(T, n_rows) = x (T, n_cols) @ W.T."""

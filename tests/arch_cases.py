@@ -23,8 +23,8 @@ def _longrope(half: int, seed: int) -> list[float]:
     return [float(f) for f in 1.0 + np.random.default_rng(seed).random(half) * 3.0]
 
 
-# name -> SyntheticModel arguments. Formats mixed per matrix, as llama-quantize's mixes do (not yet
-# Q4_0, which llama.cpp repacks for its q4_0_8x8 kernels).
+# name -> SyntheticModel arguments. Formats mixed per matrix, as llama-quantize's mixes do; in
+# "llama-q4_0" the tied output matrix (300 rows) is one llama.cpp does not repack, the others it does.
 CASES = {
     "llama-rope-freqs": dict(arch="llama", fmt="Q4_1", formats={"attn_v": "Q8_0"},
                              extra_tensors={"rope_freqs.weight": _llama3_factors(32)}),
@@ -45,6 +45,7 @@ CASES = {
                                      "rope_factors_short.weight": _longrope(16, 4)}),
     "gemma2": dict(arch="gemma2", fmt="Q4_K", n_layer=3, formats={"ffn_down": "Q6_K"},
                    keys={"attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "llama-q4_0": dict(arch="llama", fmt="Q4_0", formats={"attn_v": "Q4_1", "token_embd": "Q4_0"}),
     "llama-q5_k_m": dict(arch="llama", fmt="Q5_K", formats={"attn_v": "Q6_K", "ffn_down": "Q6_K"}),
     "qwen2-q3_k_m": dict(arch="qwen2", fmt="Q3_K", formats={"attn_v": "Q5_K", "ffn_down": "Q4_K"}),
     "qwen3-q2_k": dict(arch="qwen3", fmt="Q2_K", formats={"attn_v": "Q3_K", "ffn_down": "Q3_K"}),

@@ -2,6 +2,7 @@
 regenerated from their seeds, compared with the logits and greedy tokens llama.cpp produced
 on the same files (tests/data/arch_reference.npz, from tests/llama_ref/record_archs.py)."""
 import hashlib
+import json
 
 import numpy as np
 import pytest
@@ -9,6 +10,8 @@ import pytest
 import minillm
 from arch_cases import CASES, N_CTX, N_GREEDY, N_PROMPT, build, token_ids
 from conftest import DATA
+from minillm.arch import ARCHITECTURES
+from minillm.arch.base import COMMON_KEYS, NEUTRAL_VALUES
 from minillm.generate import Session
 from minillm.kernels.cpu.ops import GGML_AVX512
 from minillm.sampling import SamplingParams
@@ -102,3 +105,30 @@ def test_info_shows_what_a_file_needs_and_what_is_refused(tmp_path):
                          keys={"attn_logit_softcapping": 50.0}).build().write(tmp_path / "bad.gguf")
     facts = describe(bad)
     assert facts["supported"] is False and "llama.attn_logit_softcapping" in facts["unsupported"]
+
+
+CONVERTER_LAYOUTS = json.loads((DATA / "converter_layouts.json").read_text())
+# the small model shaped as tests/llama_ref/convert_check.py's configuration of each architecture
+CONVERTED_AS = {"llama": "llama-rope-freqs", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
+                "granite": "granite"}
+
+
+@pytest.mark.parametrize("arch", sorted(CONVERTED_AS))
+def test_small_models_have_the_layout_of_llama_cpps_converter(tmp_path, arch):
+    """The small models hold the tensors (names and shapes) that llama.cpp's convert_hf_to_gguf.py
+    writes for a model of transformers' own configuration class with the same dimensions, and the
+    converter's keys are ones minillm reads (tests/llama_ref/convert_check.py, which also showed
+    minillm's logits on those converted and llama-quantized files equal llama.cpp's)."""
+    import gguf
+
+    converted = dict(CONVERTER_LAYOUTS[arch]["tensors"])
+    if arch == "phi3":  # Phi-3's configuration keeps its own output matrix; the small model ties it
+        assert converted.pop("output.weight") == converted["token_embd.weight"]
+    n_layer = max(int(name.split(".")[1]) for name in converted if name.startswith("blk.")) + 1
+    reader = gguf.GGUFReader(build(CONVERTED_AS[arch]).write(tmp_path / "m.gguf"))
+    ours = {t.name: [int(d) for d in reversed(t.shape)] for t in reader.tensors
+            if not t.name.startswith("blk.") or int(t.name.split(".")[1]) < n_layer}
+    assert ours == converted
+    read = COMMON_KEYS | ARCHITECTURES[arch].handled_keys | set(NEUTRAL_VALUES)
+    keys = [k.removeprefix(f"{arch}.") for k in CONVERTER_LAYOUTS[arch]["keys"] if k.startswith(f"{arch}.")]
+    assert keys and [k for k in keys if k not in read] == []

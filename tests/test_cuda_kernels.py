@@ -28,6 +28,7 @@ from minillm.kernels.cpu import matmul as cpu_mm  # noqa: E402
 from minillm.kernels.cpu import ops as cpu_ops  # noqa: E402
 from minillm.kernels.cpu.attention import attention as cpu_attention  # noqa: E402
 from minillm.kernels.cpu.unpack import dequantize, unpack  # noqa: E402
+from minillm.weights import Matrix  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -60,14 +61,10 @@ def cpu_quantize(x: np.ndarray, kind: int) -> dict[str, np.ndarray]:
     return out
 
 
-def cpu_qmatmul(q, scale, bias, group, x, kind) -> np.ndarray:
-    """The CPU's quantized product: weights repacked into VNNI tiles, x quantized for `kind`."""
-    data, scale_t, bias_t, offset, nibbles = cpu_mm.repack(q, scale, bias)
-    act = cpu_quantize(x, kind)
-    out = np.empty((x.shape[0], q.shape[0]), np.float32)
-    cpu_mm.qmatmul_tiles(data, scale_t, bias_t, group, offset, nibbles, act["q"].reshape(-1), act[f"d{group}"],
-                         act[f"s{group}"], act[f"n{group}"], out)
-    return out
+def cpu_qmatmul(fmt, raw, x) -> np.ndarray:
+    """The CPU's quantized product of the file rows raw (x quantized as the format pairs it)."""
+    n_rows, n_cols = raw.shape[0], x.shape[1]
+    return Matrix("w", FORMATS_BY_NAME[fmt], raw, n_rows, n_cols)(x)
 
 
 def activations_input(T: int, K: int, rng) -> np.ndarray:
@@ -146,7 +143,7 @@ def test_qmatmul_matches_cpu(fmt, T, path):
     raw = random_blocks(fmt, N, K, rng)
     x = rng.standard_normal((T, K)).astype(np.float32)
     q, scale, bias = unpack(f, raw, K)
-    want = cpu_qmatmul(q, scale, bias, f.group, x, KINDS[f.activation])
+    want = cpu_qmatmul(fmt, raw, x)
 
     w = gpu.upload_matrix(q, scale, bias, f.group)
     assert w.has_bias == f.has_bias and w.group == f.group

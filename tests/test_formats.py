@@ -7,6 +7,7 @@ from gguf.quants import dequantize as ref_dequantize
 from minillm.formats import FORMATS, FORMATS_BY_NAME
 from minillm.kernels.cpu import matmul as mm
 from minillm.kernels.cpu.unpack import dequantize, unpack
+from minillm.weights import Matrix
 from synthetic import random_blocks
 from conftest import loaded_model
 
@@ -92,8 +93,8 @@ def test_quantized_product_matches_dequantized(name, n_tokens):
     n_rows, cols = 70, 512  # 70 rows: a partial last tile
     raw = random_blocks(name, n_rows, cols, rng)
     q, scale, bias = unpack(fmt, raw, cols)
-    data, scale_t, bias_t, offset, nibbles = mm.repack(q, scale, bias, fmt.nibble_offset)
-    assert nibbles == (fmt.name in ("Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K"))
+    w = Matrix("w", fmt, raw, n_rows, cols)
+    assert (w.packed[4] == 4) == (fmt.name in ("Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K"))  # codes two a byte
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
     xq = np.empty((n_tokens, cols), np.int8)
     d16, s16 = np.empty((n_tokens, cols // 16), np.float32), np.empty((n_tokens, cols // 16), np.float32)
@@ -102,8 +103,7 @@ def test_quantized_product_matches_dequantized(name, n_tokens):
     mm.quantize_act(x, mm.KIND_IDS[fmt.activation], xq, d16, s16, n16, d32, s32, n32)
     xd, xs, xn = (d16, s16, n16) if fmt.group == 16 else (d32, s32, n32)
     assert np.array_equal(xn, xq.reshape(n_tokens, -1, fmt.group).astype(np.int32).sum(-1))
-    out = np.empty((n_tokens, n_rows), np.float32)
-    mm.qmatmul_tiles(data, scale_t, bias_t, fmt.group, offset, nibbles, xq.reshape(-1), xd, xs, xn, out)
+    out = w(x)
 
     w = reference(fmt, raw, cols).astype(np.float64)
     x_deq = xq.astype(np.float64) * np.repeat(xd, fmt.group, axis=1)
@@ -156,19 +156,21 @@ def test_portable_tile_dot_matches_vnni(nibbles):
 LANES_FORMATS = [f.name for f in FORMATS if f.quantized and f.product == "lanes"]
 
 
-@pytest.mark.parametrize("name", LANES_FORMATS)
-def test_lanes_tiles_hold_the_file_size_and_sum_like_the_portable_path(name):
+@pytest.mark.parametrize("name,n_rows", [(name, 70) for name in LANES_FORMATS] + [("Q4_0", 72)])
+def test_lanes_tiles_hold_the_file_size_and_sum_like_the_portable_path(name, n_rows):
     """The 32-block formats' tiles (kernels/cpu/lanes.py) take the file's bytes (codes at their
-    width, float16 scales); the AVX-512 loop, the plain-Numba fallback and the widened 5-bit
-    batches give the same bits; and the products match dequantize-then-matmul."""
+    width, float16 scales); the SIMD loop, the plain-Numba fallback and the widened 5-bit
+    batches give the same bits; and the products match dequantize-then-matmul. Q4_0 with rows in
+    eights sums each block first (llama.cpp's repacked q4_0_8x8 arithmetic)."""
     from minillm.kernels.cpu import lanes, layers
-    from minillm.weights import Matrix
 
     fmt = FORMATS_BY_NAME[name]
     rng = np.random.default_rng(6)
-    n_rows, cols = 70, 640  # a partial last tile
+    cols = 640  # 70 rows: a partial last tile
     raw = random_blocks(name, n_rows, cols, rng)
     w = Matrix("w", fmt, raw, n_rows, cols).packed
+    block_sums = w[11] == mm.PRODUCT_LANES_BLOCKS
+    assert block_sums == (n_rows % 8 == 0 and name == "Q4_0")
     n_tiles = (n_rows + mm.R - 1) // mm.R
     assert w[0].nbytes == n_tiles * mm.R * cols // fmt.block_size * fmt.type_size
     x = rng.standard_normal((12, cols)).astype(np.float32)
@@ -182,9 +184,10 @@ def test_lanes_tiles_hold_the_file_size_and_sum_like_the_portable_path(name):
         for nt in range(n_tiles):
             w_off = nt * n_blk * lanes.block_bytes(fmt.code_bits, fmt.has_bias)
             lanes._tile_portable(w[0], w_off, q, t, xd, xs, xn4, n_blk, np.int32(fmt.code_offset), fmt.code_bits,
-                                 fmt.has_bias, acc)
+                                 fmt.has_bias, block_sums, acc)
             a = acc.reshape(9, mm.R)
-            h = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])) + (a[8] if fmt.has_bias else 0)
+            h = a[0] if block_sums else (((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+                                         + (a[8] if fmt.has_bias else 0))
             rows = min(mm.R, n_rows - nt * mm.R)
             portable[t, nt * mm.R:nt * mm.R + rows] = h[:rows]
     assert np.array_equal(portable, batch)

@@ -21,9 +21,8 @@ import numba as nb
 import numpy as np
 
 from .fma import fma
+from .matmul import TILED_MIN_ROWS
 from .vnni import R, tile_lanes
-
-TILED_MIN_ROWS = 8  # llama.cpp's tiled kernel takes batches from this many rows (matmul.py)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)

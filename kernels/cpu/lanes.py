@@ -16,6 +16,9 @@ Per block b, for the 8 lanes l and rows r (one token; dd = d_w * d_x):
     acc[l, r] = fma(dd[r], float(sum_j code * x - offset * sum_j x), acc[l, r])
     summs[r]  = fma(m_w[r], s_x, summs[r])                              (formats with a min)
     out[r]    = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)) (+ summs)
+With block_sums (Q4_0 matrices whose rows come in eights, which llama.cpp repacks for its
+q4_0_8x8 gemv/gemm, one arithmetic for every batch size) a block's lanes are summed first:
+    acc[r] = fma(dd[r], float(sum_l lane[l]), acc[r]),    out[r] = acc[r]
 On CPUs with AVX-512 VNNI a whole tile is one LLVM loop (lanes_gemv.py); elsewhere the same
 steps in plain Numba (_tile_portable).
 """
@@ -26,7 +29,8 @@ import numba as nb
 import numpy as np
 
 from .fma import fma
-from .lanes_gemv import CODE_BYTES, gemv_4, gemv_4_min, gemv_5, gemv_5_min, gemv_8, gemv_8_min, widen_5, widen_5_min
+from .lanes_gemv import (CODE_BYTES, gemv_4, gemv_4_blocks, gemv_4_min, gemv_5, gemv_5_min, gemv_8, gemv_8_min, widen_5,
+                         widen_5_min)
 from .simd import load_u32
 from .unpack import F16_TO_F32
 from .vnni import HAS_INT8_DOT, R
@@ -132,26 +136,26 @@ def _fill(words, nt0, raw, type_size, qs_at, qh_at, bits, has_min):
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def qmatmul_lanes(data, bits, has_min, offset, xq, xd, xs, xn4, out):
+def qmatmul_lanes(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out):
     """out (T, N) = x @ W.T for W in lanes tiles; x quantized: xq (T*K,) codes, xd/xs (T, K/32)
     the activation scales and scaled sums, xn4 (T, K/4) sums of the codes of every 4 columns."""
     for nt in nb.prange((out.shape[1] + R - 1) // R):
-        _lanes_tile(data, bits, has_min, offset, xq, xd, xs, xn4, out, nt)
+        _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, nt)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def qmatmul_lanes3(data1, data2, data3, n_mats, bits, has_min, offset, xq, xd, xs, xn4, out1, out2, out3):
+def qmatmul_lanes3(data1, data2, data3, n_mats, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out1, out2, out3):
     """qmatmul_lanes for two or three matrices of one format taking the same activations (q/k/v,
     gate/up) in one parallel region; with n_mats 2 the third is not used."""
     nt1, nt2 = (out1.shape[1] + R - 1) // R, (out2.shape[1] + R - 1) // R
     n_jobs = nt1 + nt2 + ((out3.shape[1] + R - 1) // R if n_mats == 3 else 0)
     for job in nb.prange(n_jobs):
         if job < nt1:
-            _lanes_tile(data1, bits, has_min, offset, xq, xd, xs, xn4, out1, job)
+            _lanes_tile(data1, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out1, job)
         elif job < nt1 + nt2:
-            _lanes_tile(data2, bits, has_min, offset, xq, xd, xs, xn4, out2, job - nt1)
+            _lanes_tile(data2, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out2, job - nt1)
         else:
-            _lanes_tile(data3, bits, has_min, offset, xq, xd, xs, xn4, out3, job - nt1 - nt2)
+            _lanes_tile(data3, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out3, job - nt1 - nt2)
 
 
 # from this many tokens on, a 5-bit tile is widened to bytes once rather than at every token
@@ -161,7 +165,7 @@ BATCH_WALK_MIN_TOKENS = 4
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _lanes_tile(data, bits, has_min, offset, xq, xd, xs, xn4, out, nt):
+def _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, nt):
     """The rows of tile nt, every token, one token at a time (the tile stays in L1)."""
     T, n_blk = out.shape[0], xd.shape[1]
     w_off = nt * n_blk * block_bytes(bits, has_min)
@@ -171,9 +175,12 @@ def _lanes_tile(data, bits, has_min, offset, xq, xd, xs, xn4, out, nt):
     for t in range(T):
         if HAS_INT8_DOT:
             _tile_vnni(data, w_off, xq, t * n_blk * 32, xd, xs, xn4, t * n_blk, n_blk, offset, bits, has_min,
-                       T >= BATCH_WALK_MIN_TOKENS, acc)
+                       block_sums, T >= BATCH_WALK_MIN_TOKENS, acc)
         else:
-            _tile_portable(data, w_off, xq, t, xd, xs, xn4, n_blk, offset, bits, has_min, acc)
+            _tile_portable(data, w_off, xq, t, xd, xs, xn4, n_blk, offset, bits, has_min, block_sums, acc)
+        if block_sums:
+            out[t, nt * R:nt * R + min(R, out.shape[1] - nt * R)] = acc[:min(R, out.shape[1] - nt * R)]
+            continue
         for r in range(min(R, out.shape[1] - nt * R)):
             h = (((acc[r] + acc[4 * R + r]) + (acc[2 * R + r] + acc[6 * R + r]))
                  + ((acc[R + r] + acc[5 * R + r]) + (acc[3 * R + r] + acc[7 * R + r])))
@@ -195,8 +202,10 @@ def _widen_5(data, w_off, n_blk, has_min):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _tile_vnni(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, bits, has_min, batch, acc):
-    if bits == 4 and has_min:
+def _tile_vnni(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, bits, has_min, block_sums, batch, acc):
+    if block_sums:  # Q4_0 only
+        gemv_4_blocks(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
+    elif bits == 4 and has_min:
         gemv_4_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
     elif bits == 4:
         gemv_4(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
@@ -223,8 +232,9 @@ def _code(data, at, bits, l, r, j):
 
 
 @nb.njit(cache=True, nogil=True)
-def _tile_portable(data, w_off, xq, t, xd, xs, xn4, n_blk, offset, bits, has_min, acc):
-    """The steps of lanes_gemv in plain Numba: acc[:8R] the lane accumulators, acc[8R:] summs."""
+def _tile_portable(data, w_off, xq, t, xd, xs, xn4, n_blk, offset, bits, has_min, block_sums, acc):
+    """The steps of lanes_gemv in plain Numba: acc[:8R] the lane accumulators, acc[8R:] summs
+    (block_sums: acc[:R] the rows' accumulators)."""
     acc[:] = 0
     bb, cb = block_bytes(bits, has_min), code_bytes(bits)
     for b in range(n_blk):
@@ -233,11 +243,17 @@ def _tile_portable(data, w_off, xq, t, xd, xs, xn4, n_blk, offset, bits, has_min
         for r in range(R):
             d_w = F16_TO_F32[np.int32(data[at + cb + 2 * r]) | (np.int32(data[at + cb + 2 * r + 1]) << 8)]
             dd = d_w * xd[t, b]
+            total = np.int32(0)
             for l in range(8):
                 lane = -offset * xn4[t, 8 * b + l]
                 for j in range(4):
                     lane += _code(data, at, bits, l, r, j) * np.int32(xq[x0 + 4 * l + j])
-                acc[l * R + r] = fma(dd, np.float32(lane), acc[l * R + r])
+                if block_sums:
+                    total += lane
+                else:
+                    acc[l * R + r] = fma(dd, np.float32(lane), acc[l * R + r])
+            if block_sums:
+                acc[r] = fma(dd, np.float32(total), acc[r])
             if has_min:
                 m_at = at + cb + 2 * R + 2 * r
                 m_w = F16_TO_F32[np.int32(data[m_at]) | (np.int32(data[m_at + 1]) << 8)]

@@ -21,8 +21,8 @@ from .attention_q import attention_quantized, hadamard_rotated, rotation_size, s
 from .f16 import f16_round
 from .lanes import qmatmul_lanes, qmatmul_lanes3
 from .k_quants import qmatmul_k_lanes
-from .matmul import (KIND_Q8_1, PRODUCT_K_LANES, PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, ROW_BY_ROW, qmatmul_q4_k,
-                     qmatmul_q6_k, qmatmul_tiles, quantize_act)
+from .matmul import (KIND_Q8_1, PRODUCT_K_LANES, PRODUCT_LANES, PRODUCT_LANES_BLOCKS, PRODUCT_Q4_K, PRODUCT_Q6_K,
+                     ROW_BY_ROW, qmatmul_q4_k, qmatmul_q6_k, quantize_act)
 
 FLOAT_F32, FLOAT_F16, FLOAT_BF16 = 0, 1, 2
 _SPLIT_BF16 = np.float32(65537.0)  # 2^(24-8) + 1: keeps bfloat16's 8 significant bits
@@ -97,8 +97,8 @@ def _apply(w, x, act):
     q, d16, s16, n16, d32, s32, n32, n4 = act
     row_by_row = product >= ROW_BY_ROW
     product = product % ROW_BY_ROW
-    if product == PRODUCT_LANES:
-        qmatmul_lanes(data, bits, kind == KIND_Q8_1, offset, q, d32, s32, n4, out)
+    if product == PRODUCT_LANES or product == PRODUCT_LANES_BLOCKS:
+        qmatmul_lanes(data, bits, kind == KIND_Q8_1, offset, product == PRODUCT_LANES_BLOCKS, q, d32, s32, n4, out)
     elif product == PRODUCT_Q4_K:  # integer scales: int8 bytes in the float32 slots
         qmatmul_q4_k(data, scale.view(np.int8), bias.view(np.int8), sb, q, d32, n32, row_by_row, out)
     elif product == PRODUCT_Q6_K:
@@ -106,10 +106,6 @@ def _apply(w, x, act):
     elif product == PRODUCT_K_LANES:
         qmatmul_k_lanes(data, scale.view(np.int8), bias.view(np.int8), sb, bits == 4, offset, q, d32, n4, n16,
                         row_by_row, out)
-    elif group == 16:
-        qmatmul_tiles(data, scale, bias, group, offset, bits == 4, q, d16, s16, n16, out)
-    else:
-        qmatmul_tiles(data, scale, bias, group, offset, bits == 4, q, d32, s32, n32, out)
     return out
 
 
@@ -123,7 +119,7 @@ def linear(w, x):
 def _lanes_together(w1, w2, w3):
     """Whether the products can run as one qmatmul_lanes3: one 32-block format (so one code
     offset and layout, and the same activations) for all (w3 may repeat w1 when there are two)."""
-    return (w1[11] == PRODUCT_LANES and w2[11] == PRODUCT_LANES and w3[11] == PRODUCT_LANES
+    return ((w1[11] == PRODUCT_LANES or w1[11] == PRODUCT_LANES_BLOCKS) and w2[11] == w1[11] and w3[11] == w1[11]
             and w1[8] == w2[8] and w1[8] == w3[8] and w1[8] >= 0 and w1[3] == w2[3] and w1[3] == w3[3]
             and w1[4] == w2[4] and w1[4] == w3[4])
 
@@ -135,7 +131,8 @@ def _lanes3(w1, w2, w3, n_mats, x):
     T = x.shape[0]
     o1, o2 = np.empty((T, w1[6]), np.float32), np.empty((T, w2[6]), np.float32)
     o3 = np.empty((T, w3[6] if n_mats == 3 else 0), np.float32)
-    qmatmul_lanes3(w1[0], w2[0], w3[0], n_mats, w1[4], w1[8] == KIND_Q8_1, w1[3], q, d32, s32, n4, o1, o2, o3)
+    qmatmul_lanes3(w1[0], w2[0], w3[0], n_mats, w1[4], w1[8] == KIND_Q8_1, w1[3], w1[11] == PRODUCT_LANES_BLOCKS,
+                   q, d32, s32, n4, o1, o2, o3)
     return o1, o2, o3
 
 

@@ -5,19 +5,20 @@ use the uniform layout of minillm.formats, repacked once at load into tiles of
 R = 32 rows ("rows as lanes"), so that one instruction works on all 32 rows at once:
 
     data  uint8   (NT * K/4 * 4R,) flat: tile nt, column quad k4, row r, byte j holds the code
-                  q[nt*R + r, 4*k4 + j] + 128 at ((nt * K/4 + k4) * R + r) * 4 + j
+                  q[nt*R + r, 4*k4 + j] + offset at ((nt * K/4 + k4) * R + r) * 4 + j
                   or, for formats whose codes fit 4 bits (q + offset in 0..15), two columns a
                   byte (NT * K/8 * 4R,): columns 8p+j (low nibble) and 8p+4+j (high nibble) of
                   row r at ((nt * K/8 + p) * R + r) * 4 + j
-    scale float32 (NT, K/G, R)   scale of group g of row nt*R + r
-    bias  float32 (NT, K/G, R)   or (NT, 0, R) for formats without a min
+    scale int8    (NT, K/G, R)   the format's integer sub-block scales (in float32 slots)
+    bias  int8    (NT, K/G, R)   its integer mins, or (NT, 0, R) for formats without
+    sb    float32 (NT, 2 K/256, R) each super-block's d and dmin
 
 Activations x (T, K) are quantized per llama.cpp's pairing (Q8_0, Q8_1 or Q8_K) into
     xq int8 (T, K); per 16- and 32-group: d (the activation scale of the group's block),
     s = d * sum(q) and n = sum(q) (int32)
-and out[t, n] = sum_g scale[n, g] * d[t, g] * isum(n, t, g) (+ bias[n, g] * s[t, g]), with
-isum = sum_k (q_w + offset) * q_x - offset * sum_k q_x computed in int32 (vnni.tile_dot), as
-exact as ggml's integer dot products.
+Integer sums sum_k (q_w + offset) * q_x - offset * sum_k q_x are computed in int32 (vnni.py), as
+exact as ggml's; each format's kernel then takes ggml's float steps: Q4_K here and in q4_k.py,
+Q6_K here and in q6_k.py, Q2_K/Q3_K/Q5_K in k_quants.py.
 """
 import numba as nb
 import numpy as np
@@ -27,18 +28,18 @@ from .fma import fma
 from .lanes import aligned_zeros
 from .q4_k import gemm_row_q4_k, gemv_q4_k
 from .q6_k import tiled_q6_k_1, tiled_q6_k_4, vec_dot_q6_k
-from .vnni import HAS_INT8_DOT, R, tile_dot, tile_dot4, tile_dot4_nib, tile_dot_nib, tile_lanes
+from .vnni import HAS_INT8_DOT, R, tile_dot4_nib, tile_dot_nib, tile_lanes
 
 KIND_Q8_0, KIND_Q8_1, KIND_Q8_K = 0, 1, 2
 KIND_IDS = {"q8_0": KIND_Q8_0, "q8_1": KIND_Q8_1, "q8_k": KIND_Q8_K}
 
 # How llama.cpp's x86 backend sums a format's products (Format.product); each has a kernel here
-PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, PRODUCT_GROUPS, PRODUCT_K_LANES = 0, 1, 2, 3, 4
+PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, PRODUCT_K_LANES, PRODUCT_LANES_BLOCKS = 0, 1, 2, 3, 4
 # from this many activation rows on, llama.cpp multiplies non-repacked K-quants (Q6_K here) with
 # its "tiled" kernel instead of vec_dot
 TILED_MIN_ROWS = 8
-PRODUCT_IDS = {"lanes": PRODUCT_LANES, "q4_k": PRODUCT_Q4_K, "q6_k": PRODUCT_Q6_K, "groups": PRODUCT_GROUPS,
-               "k_lanes": PRODUCT_K_LANES}
+PRODUCT_IDS = {"lanes": PRODUCT_LANES, "q4_k": PRODUCT_Q4_K, "q6_k": PRODUCT_Q6_K, "k_lanes": PRODUCT_K_LANES,
+               "lanes_blocks": PRODUCT_LANES_BLOCKS}
 # Added to a weight tuple's product id: every batch row is computed as if it were alone (the
 # one-token kernel for every row), so a row's result never depends on the rows beside it (the
 # batching scheduler). Only the products whose arithmetic follows the batch size need it.
@@ -121,44 +122,6 @@ def _quantize_row(x, t, kind, xq, d16, s16, n16, d32, s32, n32):
         s16[t, g] = d16[t, g] * np.float32(total)
     for g in range(K // 32):
         n32[t, g] = n16[t, 2 * g] + n16[t, 2 * g + 1]
-
-
-@nb.njit(**_PAR)
-def qmatmul_tiles(data, scale, bias, G, offset, nibbles, xq, xd, xs, xn, out):
-    """out (T, N) = x @ W.T for W in tiles; xq (T*K,) flat; xd/xs/xn (T, K/G) for W's group G;
-    codes stored as q + offset, in bytes or (nibbles) two a byte. Tokens go 4 at a time."""
-    NT, ng = scale.shape[0], scale.shape[1]
-    T, N = out.shape
-    K = ng * G
-    steps = G // 4
-    group_bytes = G * R // 2 if nibbles else G * R
-    for nt in nb.prange(NT):
-        iacc = np.empty(4 * R, np.int32)   # (4 tokens, R rows) integer group sums
-        facc = np.empty(4 * R, np.float32)  # (4 tokens, R rows) float accumulators
-        for t0 in range(0, T, 4):
-            n_tok = min(4, T - t0)
-            facc[:] = 0
-            for g in range(ng):
-                start = (nt * ng + g) * group_bytes
-                if n_tok == 4:
-                    if nibbles:
-                        tile_dot4_nib(data, start, xq, t0 * K + g * G, K, steps, iacc)
-                    else:
-                        tile_dot4(data, start, xq, t0 * K + g * G, K, steps, iacc)
-                else:
-                    for tok in range(n_tok):
-                        if nibbles:
-                            tile_dot_nib(data, start, xq, (t0 + tok) * K + g * G, steps, iacc[tok * R:])
-                        else:
-                            tile_dot(data, start, xq, (t0 + tok) * K + g * G, steps, iacc[tok * R:])
-                for tok in range(n_tok):
-                    _accumulate_group(facc[tok * R:(tok + 1) * R], iacc[tok * R:(tok + 1) * R], scale[nt, g],
-                                      bias, nt, g, np.int32(offset) * xn[t0 + tok, g], xd[t0 + tok, g],
-                                      xs[t0 + tok, g])
-            n0 = nt * R
-            for tok in range(n_tok):
-                for r in range(min(R, N - n0)):
-                    out[t0 + tok, n0 + r] = facc[tok * R + r]
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
@@ -340,18 +303,6 @@ def _q6_k_tile_vnni(data, sc, sb, xq, xd, xn4, xn16, nt, tiled, out):
         t += 1
 
 
-@nb.njit(inline="always", cache=True, nogil=True, fastmath=True)
-def _accumulate_group(facc, iacc, sc, bias, nt, g, shift, sd, ss):
-    """facc (R,) += scale * d_x * (isum - offset * sum(x)) (+ bias * s_x) for one group."""
-    if bias.shape[1] > 0:
-        bs = bias[nt, g]
-        for r in range(R):
-            facc[r] += sc[r] * sd * np.float32(iacc[r] - shift) + bs[r] * ss
-    else:
-        for r in range(R):
-            facc[r] += sc[r] * sd * np.float32(iacc[r] - shift)
-
-
 @nb.njit(parallel=True, cache=True, nogil=True)
 def _tile_rows(q, scale, bias, offset, nibbles, nt0, data, scale_t, bias_t):
     """Write rows q (n, K) (and their scales) into tiles nt0.. of data/scale_t/bias_t.
@@ -385,22 +336,13 @@ def _tile_rows(q, scale, bias, offset, nibbles, nt0, data, scale_t, bias_t):
 CHUNK_ROWS = 64 * R  # rows unpacked at a time: the transient copy stays small
 
 
-def repack(q: np.ndarray, scale: np.ndarray, bias: np.ndarray, nibble_offset: int | None = None):
-    """Uniform layout (N, K) -> tiles of R rows (rows padded to a multiple of R). Returns
-    (data, scale, bias, offset, nibbles): codes q + offset, 4-bit when nibble_offset is given."""
-    tiles = empty_tiles(q.shape[0], q.shape[1], scale.shape[1], bias.shape[1], nibble_offset)
-    fill_tiles(tiles, 0, q, scale, bias)
-    return tiles
-
-
-def empty_tiles(N: int, K: int, n_groups: int, n_bias_groups: int, nibble_offset: int | None,
-                scale_type=np.float32):
-    """scale_type: float32, or int8 for the K-quants' integer sub-block scales and mins."""
+def empty_tiles(N: int, K: int, n_groups: int, n_bias_groups: int, nibble_offset: int | None):
+    """Zeroed tiles for an (N, K) matrix: codes, int8 sub-block scales and mins."""
     NT = (N + R - 1) // R
     nibbles = nibble_offset is not None
     data = aligned_zeros(NT * K * R // (2 if nibbles else 1))
-    scale_t = np.zeros((NT, n_groups, R), scale_type)
-    bias_t = np.zeros((NT, n_bias_groups, R), scale_type)
+    scale_t = np.zeros((NT, n_groups, R), np.int8)
+    bias_t = np.zeros((NT, n_bias_groups, R), np.int8)
     return data, scale_t, bias_t, nibble_offset if nibbles else 128, nibbles
 
 

@@ -55,7 +55,6 @@ class Gemma3(Transformer):
     def read_hparams(self) -> HParams:
         hp = super().read_hparams()
         m = self.meta
-        hp.rope_base = m.float("rope.freq_base", 1e-3, 1e12, default=1000000.0)
         self.window = m.int("attention.sliding_window", 0, 1 << 24, default=self.default_window)
         self.local = self.read_local_layers(hp.n_layer)
         self.local_rope_base = m.float("rope.freq_base_swa", 1e-3, 1e12, default=self.default_local_rope_base(hp))

