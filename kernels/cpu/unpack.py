@@ -215,13 +215,13 @@ def unpack_q6_k(raw, q, scale, bias):
 
 
 @nb.njit(**_JIT)
-def superblocks_q4_k(raw, sc, mins, sb):
-    """Q4_K's own scales, for ggml's integer-exact products: sc, mins (rows, K/32) the 6-bit
-    integers, sb (rows, 2 * K/256) each super-block's d and dmin."""
-    rows, nb_ = raw.shape[0], raw.shape[1] // 144
+def superblocks_k4(raw, sc, mins, sb, type_size):
+    """Q4_K's and Q5_K's own scales, for ggml's integer-exact products: sc, mins (rows, K/32) the
+    6-bit integers, sb (rows, 2 * K/256) each super-block's d and dmin (the blocks' first bytes)."""
+    rows, nb_ = raw.shape[0], raw.shape[1] // type_size
     for r in nb.prange(rows):
         for b in range(nb_):
-            o = b * 144
+            o = b * type_size
             sb[r, 2 * b] = _f16(raw[r], o)
             sb[r, 2 * b + 1] = _f16(raw[r], o + 2)
             for j in range(8):
@@ -231,13 +231,13 @@ def superblocks_q4_k(raw, sc, mins, sb):
 
 
 @nb.njit(**_JIT)
-def superblocks_q6_k(raw, sc, mins, sb):
+def superblocks_q6_k(raw, sc, mins, sb, type_size):
     """Q6_K's own scales: sc (rows, K/16) the int8 scales, sb (rows, 2 * K/256) each super-block's
     d (and 0); mins (rows, 0) unused."""
-    rows, nb_ = raw.shape[0], raw.shape[1] // 210
+    rows, nb_ = raw.shape[0], raw.shape[1] // type_size
     for r in nb.prange(rows):
         for b in range(nb_):
-            o = b * 210
+            o = b * type_size
             sb[r, 2 * b] = _f16(raw[r], o + 208)
             sb[r, 2 * b + 1] = 0
             for g in range(16):
@@ -246,13 +246,13 @@ def superblocks_q6_k(raw, sc, mins, sb):
 
 
 @nb.njit(**_JIT)
-def superblocks_q2_k(raw, sc, mins, sb):
+def superblocks_q2_k(raw, sc, mins, sb, type_size):
     """Q2_K's own scales: sc, mins (rows, K/16) the 4-bit integers, sb (rows, 2 * K/256) each
     super-block's d and dmin."""
-    rows, nb_ = raw.shape[0], raw.shape[1] // 84
+    rows, nb_ = raw.shape[0], raw.shape[1] // type_size
     for r in nb.prange(rows):
         for b in range(nb_):
-            o = b * 84
+            o = b * type_size
             sb[r, 2 * b] = _f16(raw[r], o + 80)
             sb[r, 2 * b + 1] = _f16(raw[r], o + 82)
             for g in range(16):
@@ -261,37 +261,21 @@ def superblocks_q2_k(raw, sc, mins, sb):
 
 
 @nb.njit(**_JIT)
-def superblocks_q3_k(raw, sc, mins, sb):
+def superblocks_q3_k(raw, sc, mins, sb, type_size):
     """Q3_K's own scales: sc (rows, K/16) the 6-bit integers less 32, sb (rows, 2 * K/256) each
     super-block's d (and 0); mins (rows, 0) unused."""
-    rows, nb_ = raw.shape[0], raw.shape[1] // 110
+    rows, nb_ = raw.shape[0], raw.shape[1] // type_size
     for r in nb.prange(rows):
         for b in range(nb_):
-            o = b * 110
+            o = b * type_size
             sb[r, 2 * b] = _f16(raw[r], o + 108)
             sb[r, 2 * b + 1] = 0
             for k in range(16):
                 sc[r, b * 16 + k] = _scale_q3_k(raw, r, o, k)
 
 
-@nb.njit(**_JIT)
-def superblocks_q5_k(raw, sc, mins, sb):
-    """Q5_K's own scales: sc, mins (rows, K/32) the 6-bit integers, sb (rows, 2 * K/256) each
-    super-block's d and dmin (the same packing as Q4_K's)."""
-    rows, nb_ = raw.shape[0], raw.shape[1] // 176
-    for r in nb.prange(rows):
-        for b in range(nb_):
-            o = b * 176
-            sb[r, 2 * b] = _f16(raw[r], o)
-            sb[r, 2 * b + 1] = _f16(raw[r], o + 2)
-            for j in range(8):
-                s, m = _scale_min_k4(raw, r, o + 4, j)
-                sc[r, b * 8 + j] = s
-                mins[r, b * 8 + j] = m
-
-
-SUPERBLOCKS = {"Q2_K": superblocks_q2_k, "Q3_K": superblocks_q3_k, "Q4_K": superblocks_q4_k,
-               "Q5_K": superblocks_q5_k, "Q6_K": superblocks_q6_k}
+SUPERBLOCKS = {"Q2_K": superblocks_q2_k, "Q3_K": superblocks_q3_k, "Q4_K": superblocks_k4, "Q5_K": superblocks_k4,
+               "Q6_K": superblocks_q6_k}
 
 
 def superblocks(fmt, raw: np.ndarray, n_cols: int):
@@ -301,7 +285,7 @@ def superblocks(fmt, raw: np.ndarray, n_cols: int):
     sc = np.empty((rows, n_cols // fmt.group), np.float32)
     mins = np.empty((rows, n_cols // fmt.group if fmt.has_bias else 0), np.float32)
     sb = np.empty((rows, 2 * (n_cols // 256)), np.float32)
-    SUPERBLOCKS[fmt.name](raw, sc, mins, sb)
+    SUPERBLOCKS[fmt.name](raw, sc, mins, sb, fmt.type_size)
     return sc, mins, sb
 
 UNPACKERS = {
