@@ -45,6 +45,8 @@ CASES = {
                                      "rope_factors_short.weight": _longrope(16, 4)}),
     "gemma2": dict(arch="gemma2", fmt="Q4_K", n_layer=3, formats={"ffn_down": "Q6_K"},
                    keys={"attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "llama-f16": dict(arch="llama", fmt="F16"),
+    "qwen3-bf16": dict(arch="qwen3", fmt="BF16", formats={"ffn_down": "F32"}),
     "llama-q4_0": dict(arch="llama", fmt="Q4_0", formats={"attn_v": "Q4_1", "token_embd": "Q4_0"}),
     "llama-q5_k_m": dict(arch="llama", fmt="Q5_K", formats={"attn_v": "Q6_K", "ffn_down": "Q6_K"}),
     "qwen2-q3_k_m": dict(arch="qwen2", fmt="Q3_K", formats={"attn_v": "Q5_K", "ffn_down": "Q4_K"}),

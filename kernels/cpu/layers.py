@@ -19,12 +19,12 @@ from . import ops
 from .attention import attention, attention_rows
 from .attention_q import attention_quantized, hadamard_rotated, rotation_size, store_kv_quantized
 from .f16 import f16_round
-from .lanes import qmatmul_lanes, qmatmul_lanes3
+from .float_matmul import FLOAT_BF16, FLOAT_F16, FLOAT_F32, float_matmul
 from .k_quants import qmatmul_k_lanes
+from .lanes import qmatmul_lanes, qmatmul_lanes3
 from .matmul import (KIND_Q8_1, PRODUCT_K_LANES, PRODUCT_LANES, PRODUCT_LANES_BLOCKS, PRODUCT_Q4_K, PRODUCT_Q6_K,
                      ROW_BY_ROW, qmatmul_q4_k, qmatmul_q6_k, quantize_act)
 
-FLOAT_F32, FLOAT_F16, FLOAT_BF16 = 0, 1, 2
 _SPLIT_BF16 = np.float32(65537.0)  # 2^(24-8) + 1: keeps bfloat16's 8 significant bits
 
 _SER = dict(cache=True, nogil=True)
@@ -57,18 +57,6 @@ def quantize(x, kind):
     return flat, d16, s16, n16, d32, s32, n32, _quad_sums(flat, T, K)
 
 
-@nb.njit(parallel=True, cache=True, nogil=True, fastmath=True)
-def _float_matmul(weight, x, out):
-    N, K = weight.shape
-    T = x.shape[0]
-    for n in nb.prange(N):
-        for t in range(T):
-            acc = np.float32(0.0)
-            for k in range(K):
-                acc += weight[n, k] * x[t, k]
-            out[t, n] = acc
-
-
 @nb.njit(**_SER)
 def _round_to_format(x, fmt):
     out = np.empty_like(x)
@@ -92,7 +80,7 @@ def _apply(w, x, act):
     T = x.shape[0]
     out = np.empty((T, n_rows), np.float32)
     if kind < 0:
-        _float_matmul(fweight, _round_to_format(x, float_format), out)
+        float_matmul(fweight, _round_to_format(x, float_format), float_format, out)
         return out
     q, d16, s16, n16, d32, s32, n32, n4 = act
     row_by_row = product >= ROW_BY_ROW

@@ -1,0 +1,93 @@
+"""Products of float weights (F32, F16, BF16) as llama.cpp's x86 CPU backend computes them. The
+activations are first rounded to the weight's type (layers._round_to_format), as ggml converts
+them to the type's vec_dot type; weight (N, K) holds the weights' float32 values. Then:
+
+- a batch of 2 rows or more: llamafile's tinyBLAS. Per output one accumulator of LANES floats
+  (8 on AVX2, 16 with AVX-512), acc[j] = fma(w[l + j], x[l + j], acc[j]) over steps of LANES
+  columns (the last step partial), then its hsum;
+- one row: ggml_vec_dot_f32/_f16, four such accumulators over steps of 4 LANES summed as ggml's
+  REDUCE (attention's dot_f16_*), the columns past the last step added after (F16: in double;
+  F32: product, then sum, in float); ggml_vec_dot_bf16, four (AVX-512: two) accumulators of
+  products added, reduced, then the rest in double.
+"""
+import numba as nb
+import numpy as np
+
+from .attention import F16_DOT_STEP, _reduce8, _reduce16
+from .fma import fma
+from .ops import GGML_AVX512
+from .simd import dot_f16_32, dot_f16_64
+
+LANES = 16 if GGML_AVX512 else 8
+FLOAT_F32, FLOAT_F16, FLOAT_BF16 = 0, 1, 2
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def float_matmul(weight, x, fmt, out):
+    """out (T, N) = x (T, K) @ weight.T for weights of float format fmt (module doc)."""
+    N, K = weight.shape
+    T = x.shape[0]
+    w, xf = weight.reshape(N * K), x.reshape(T * K)
+    for n in nb.prange(N):
+        acc = np.empty(4 * LANES, np.float32)
+        for t in range(T):
+            if T >= 2:
+                out[t, n] = _tiny_blas_dot(w, n * K, xf, t * K, K, acc)
+            elif fmt == FLOAT_BF16:
+                out[t, n] = _vec_dot_bf16(w, n * K, xf, t * K, K, acc)
+            else:
+                out[t, n] = _vec_dot(w, n * K, xf, t * K, K, fmt == FLOAT_F16)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _hsum(acc, at, lanes):
+    return _reduce16(acc, at) if lanes == 16 else _reduce8(acc, at)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _tiny_blas_dot(w, w_at, x, x_at, K, acc):
+    acc[:LANES] = 0
+    for l in range(0, K, LANES):
+        for j in range(min(LANES, K - l)):
+            acc[j] = fma(w[w_at + l + j], x[x_at + l + j], acc[j])
+    return _hsum(acc, 0, LANES)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _vec_dot(w, w_at, x, x_at, K, f16):
+    n_simd = K - K % F16_DOT_STEP
+    if F16_DOT_STEP == 64:
+        total = dot_f16_64(w, w_at, x, x_at, n_simd)
+    else:
+        total = dot_f16_32(w, w_at, x, x_at, n_simd)
+    if f16:  # ggml_float sum of the rest
+        wide = np.float64(total)
+        for i in range(n_simd, K):
+            wide += np.float64(w[w_at + i] * x[x_at + i])
+        return np.float32(wide)
+    for i in range(n_simd, K):
+        total += w[w_at + i] * x[x_at + i]
+    return total
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _vec_dot_bf16(w, w_at, x, x_at, K, acc):
+    """ggml_vec_dot_bf16: AVX2 c1..c4 of 8 lanes (AVX-512: c1, c2 of 16) over steps of 32."""
+    acc[:] = 0
+    n_parts = 2 if LANES == 16 else 4
+    i = 0
+    while i + 32 <= K:
+        for c in range(n_parts):
+            for j in range(LANES):
+                at = i + c * LANES + j
+                acc[c * LANES + j] = acc[c * LANES + j] + w[w_at + at] * x[x_at + at]
+        i += 32
+    if LANES == 16:
+        wide = np.float64(_reduce16(acc, 0)) + np.float64(_reduce16(acc, 16))
+    else:
+        for j in range(8):  # (c1 + c3) + (c2 + c4)
+            acc[j] = (acc[j] + acc[16 + j]) + (acc[8 + j] + acc[24 + j])
+        wide = np.float64(_reduce8(acc, 0))
+    for k in range(i, K):
+        wide += np.float64(w[w_at + k] * x[x_at + k])
+    return np.float32(wide)
