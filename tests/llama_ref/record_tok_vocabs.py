@@ -1,5 +1,6 @@
 """Record llama.cpp's ids for the reference texts (tests/data/tok_smollm2_dev.jsonl) with each
-vocabulary of models/vocab/ (one per pre-tokenizer kind; `make models` fetches them), into
+vocabulary of models/vocab/ (one per pre-tokenizer kind; `make models` fetches them, and derives
+the gpt-4o and deepseek-r1-qwen ones), into
 tests/data/tok_vocabs.npz (run from the repository root, after build.sh):
 
     python tests/llama_ref/record_tok_vocabs.py /tmp/llama_ref
@@ -18,7 +19,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "models"))
-from fetch import VOCAB_DIR, VOCABS  # noqa: E402
+from fetch import DERIVED_VOCABS, VOCAB_DIR, VOCABS  # noqa: E402
 
 SEPARATOR = "\x1e"  # vocab_dump's tokenize_many: texts split at the record separator
 
@@ -34,7 +35,7 @@ def main(workdir: str) -> None:
     record = {}
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "texts.txt").write_text(SEPARATOR.join(corpus), encoding="utf-8")
-        for vocab in VOCABS:
+        for vocab in VOCABS + tuple(DERIVED_VOCABS):
             out = subprocess.run([str(Path(workdir) / "vocab_dump"), str(VOCAB_DIR / f"ggml-vocab-{vocab}.gguf"),
                                   "tokenize_many", str(Path(tmp) / "texts.txt")],
                                  capture_output=True, text=True, check=True).stdout.splitlines()
