@@ -452,23 +452,23 @@ def attention(q, q_pos, kcache, vcache, kv_pos, n_keep, window, scale, softcap, 
 
 
 @nb.njit(**_PAR)
-def _row_runs(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, softcap, n_heads,
-              n_parts, acc, m, s_sum):
-    """attention_rows' passes: row t's cells in n_parts runs if a lone query at its position
-    would be split (else one run over them all); acc (T, P, H, D), m and s_sum (T, P, H)."""
-    T = q.shape[0]
+def _row_runs(q, q_pos, units, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, softcap,
+              n_heads, n_parts, acc, m, s_sum):
+    """attention_rows' passes: units (U, 2) the (row, run) pairs to compute, row t's cells in
+    n_parts runs if a lone query at its position would be split (else one run over them all);
+    acc (T, P, H, D), m and s_sum (T, P, H). A job takes one unit and some heads of one KV head."""
     D = kcache.shape[2]
     group = n_heads // kcache.shape[1]
-    G = _heads_per_job(n_parts * n_heads, group)
+    G = _heads_per_job(units.shape[0] * n_heads, group)
     n_sets = n_heads // G
-    for job in nb.prange(T * n_parts * n_sets):
-        t, rest = job // (n_parts * n_sets), job % (n_parts * n_sets)
-        part, h0 = rest // n_sets, (rest % n_sets) * G
+    for job in nb.prange(units.shape[0] * n_sets):
+        t, part = units[job // n_sets, 0], units[job // n_sets, 1]
+        h0 = (job % n_sets) * G
         pos = q_pos[t]
         n_cells = (pos + KV_PAD) // KV_PAD * KV_PAD
         parts = n_parts if n_cells >= SPLIT_MIN_CELLS else 1
         run = (n_cells + parts - 1) // parts
-        if part >= parts or part * run >= n_cells:
+        if part * run >= n_cells:
             s_sum[t, part, h0:h0 + G] = 0
             continue
         acc_j = np.empty((G, D), np.float32)
@@ -494,8 +494,14 @@ def attention_rows(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vc
     acc = np.empty((T, SPLIT_PARTS, n_heads, D), np.float32)
     m = np.empty((T, SPLIT_PARTS, n_heads), np.float32)
     s_sum = np.empty((T, SPLIT_PARTS, n_heads), np.float32)
-    _row_runs(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, softcap, n_heads,
-              SPLIT_PARTS, acc, m, s_sum)
+    units = np.empty((T * SPLIT_PARTS, 2), np.int64)  # (row, run): only the runs a row has
+    n_units = 0
+    for t in range(T):
+        for part in range(SPLIT_PARTS if (q_pos[t] + KV_PAD) // KV_PAD * KV_PAD >= SPLIT_MIN_CELLS else 1):
+            units[n_units, 0], units[n_units, 1] = t, part
+            n_units += 1
+    _row_runs(q, q_pos, units[:n_units], row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window,
+              scale, softcap, n_heads, SPLIT_PARTS, acc, m, s_sum)
     for t in range(T):
         n_cells = (q_pos[t] + KV_PAD) // KV_PAD * KV_PAD
         if n_cells >= SPLIT_MIN_CELLS:
