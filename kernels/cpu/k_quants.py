@@ -1,7 +1,7 @@
 """Q2_K, Q3_K and Q5_K products the way llama.cpp's x86 backend computes them (AVX2 build).
 
-Weights in matmul.py's uniform tiles (codes q + offset: Q2_K 0..3 and Q3_K q + 4 in nibbles,
-Q5_K 0..31 in bytes), with the format's own integer scales:
+Weights in matmul.py's uniform tiles (stored codes q + offset: Q2_K's 0..3 and Q3_K's -4..3 + 4
+two a byte, Q5_K's 0..31 + 128 a byte each), with the format's own integer scales:
     sc   int8 (NT, K/G, R)     sub-block scales (Q3_K's less 32), G = 16 (Q2_K, Q3_K) or 32 (Q5_K)
     mins int8 (NT, K/G, R)     sub-block mins (Q2_K, Q5_K), else (NT, 0, R)
     sb   f32  (NT, 2 K/256, R) each super-block's d at 2b, dmin at 2b + 1
