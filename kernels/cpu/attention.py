@@ -451,6 +451,14 @@ def attention(q, q_pos, kcache, vcache, kv_pos, n_keep, window, scale, softcap, 
         _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, softcap, n_heads, out)
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def _cells_alone(pos, n_parts):
+    """(the cells a lone query at pos reads, the runs `attention` cuts them into: n_parts when
+    it splits them, else 1)."""
+    n_cells = (pos + KV_PAD) // KV_PAD * KV_PAD
+    return n_cells, n_parts if n_cells >= SPLIT_MIN_CELLS else 1
+
+
 @nb.njit(**_PAR)
 def _row_runs(q, q_pos, units, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, softcap,
               n_heads, n_parts, acc, m, s_sum):
@@ -465,8 +473,7 @@ def _row_runs(q, q_pos, units, row_seq, tables, shift, n_slots, n_keep, kcache, 
         t, part = units[job // n_sets, 0], units[job // n_sets, 1]
         h0 = (job % n_sets) * G
         pos = q_pos[t]
-        n_cells = (pos + KV_PAD) // KV_PAD * KV_PAD
-        parts = n_parts if n_cells >= SPLIT_MIN_CELLS else 1
+        n_cells, parts = _cells_alone(pos, n_parts)
         run = (n_cells + parts - 1) // parts
         if part * run >= n_cells:
             s_sum[t, part, h0:h0 + G] = 0
@@ -497,14 +504,13 @@ def attention_rows(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vc
     units = np.empty((T * SPLIT_PARTS, 2), np.int64)  # (row, run): only the runs a row has
     n_units = 0
     for t in range(T):
-        for part in range(SPLIT_PARTS if (q_pos[t] + KV_PAD) // KV_PAD * KV_PAD >= SPLIT_MIN_CELLS else 1):
+        for part in range(_cells_alone(q_pos[t], SPLIT_PARTS)[1]):
             units[n_units, 0], units[n_units, 1] = t, part
             n_units += 1
     _row_runs(q, q_pos, units[:n_units], row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window,
               scale, softcap, n_heads, SPLIT_PARTS, acc, m, s_sum)
     for t in range(T):
-        n_cells = (q_pos[t] + KV_PAD) // KV_PAD * KV_PAD
-        if n_cells >= SPLIT_MIN_CELLS:
+        if _cells_alone(q_pos[t], SPLIT_PARTS)[0] >= SPLIT_MIN_CELLS:
             _merge_runs(acc[t], m[t], s_sum[t], SPLIT_PARTS, out, t)
             continue
         for h in range(n_heads):  # one chunk: as _attend_one_chunk normalizes

@@ -46,8 +46,6 @@ PRODUCT_IDS = {"lanes": PRODUCT_LANES, "q4_k": PRODUCT_Q4_K, "q6_k": PRODUCT_Q6_
 ROW_BY_ROW = 8
 BATCH_DEPENDENT = (PRODUCT_Q4_K, PRODUCT_Q6_K, PRODUCT_K_LANES)
 
-_PAR = dict(parallel=True, cache=True, nogil=True, fastmath=True)
-
 
 @nb.njit(cache=True, nogil=True)
 def _quantize_row_q8_32(x, q, d32, s32, round_sum):
