@@ -19,8 +19,9 @@ Per block b, for the 8 lanes l and rows r (one token; dd = d_w * d_x):
 With block_sums (Q4_0 matrices whose rows come in eights, which llama.cpp repacks for its
 q4_0_8x8 gemv/gemm, one arithmetic for every batch size) a block's lanes are summed first:
     acc[r] = fma(dd[r], float(sum_l lane[l]), acc[r]),    out[r] = acc[r]
-On CPUs with AVX-512 VNNI a whole tile is one LLVM loop (lanes_gemv.py); elsewhere the same
-steps in plain Numba (_tile_portable).
+A token's whole walk over a tile is one LLVM loop (lanes_gemv.py); AVX2 walks a batch's tokens
+four at a time (each weight load serving the four), with the same float steps for each; without
+AVX2 the same steps run in plain Numba (_tile_portable).
 """
 import mmap
 import sys
@@ -29,11 +30,12 @@ import numba as nb
 import numpy as np
 
 from .fma import fma
-from .lanes_gemv import (CODE_BYTES, gemv_4, gemv_4_blocks, gemv_4_min, gemv_5, gemv_5_min, gemv_8, gemv_8_min, widen_5,
+from .lanes_gemv import (CODE_BYTES, GROUP_TOKENS, gemv_4, gemv_4_blocks, gemv_4_min, gemv_5, gemv_5_min, gemv_8,
+                         gemv_8_min, group_4, group_4_min, group_5, group_5_min, group_8, group_8_min, widen_5,
                          widen_5_min)
 from .simd import load_u32
 from .unpack import F16_TO_F32
-from .vnni import HAS_INT8_DOT, R
+from .vnni import HAS_INT8_DOT, HAS_VNNI, R
 
 _LANE_BYTES = 4 * R  # one lane (4 columns) of a tile's R rows, a byte a code
 _CODE_BYTES_4, _CODE_BYTES_5, _CODE_BYTES_8 = CODE_BYTES[4], CODE_BYTES[5], CODE_BYTES[8]
@@ -166,25 +168,40 @@ BATCH_WALK_MIN_TOKENS = 4
 
 @nb.njit(inline="always", cache=True, nogil=True)
 def _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, nt):
-    """The rows of tile nt, every token, one token at a time (the tile stays in L1)."""
+    """The rows of tile nt, every token (the tile stays in L1): on AVX2, batches GROUP_TOKENS
+    tokens a walk, then one token at a time."""
     T, n_blk = out.shape[0], xd.shape[1]
     w_off = nt * n_blk * block_bytes(bits, has_min)
     if HAS_INT8_DOT and bits == 5 and T >= WIDEN_MIN_TOKENS:
         data, w_off, bits = _widen_5(data, w_off, n_blk, has_min), 0, 8
-    acc = np.empty(9 * R, np.float32)  # (lane, row) accumulators, then summs (row)
-    for t in range(T):
+    acc = np.empty(GROUP_TOKENS * 9 * R, np.float32)  # per token: (lane, row) accumulators, then summs (row)
+    t = 0
+    if HAS_INT8_DOT and not HAS_VNNI and not block_sums and T >= BATCH_WALK_MIN_TOKENS:
+        while T - t >= GROUP_TOKENS:
+            _group_vnni(data, w_off, xq, t * n_blk * 32, xd, xs, t * n_blk, n_blk, offset, bits, has_min, acc)
+            for k in range(GROUP_TOKENS):
+                _store_row(acc[k * 9 * R:], out, t + k, nt, has_min, False)
+            t += GROUP_TOKENS
+    for t in range(t, T):
         if HAS_INT8_DOT:
             _tile_vnni(data, w_off, xq, t * n_blk * 32, xd, xs, xn4, t * n_blk, n_blk, offset, bits, has_min,
                        block_sums, T >= BATCH_WALK_MIN_TOKENS, acc)
         else:
             _tile_portable(data, w_off, xq, t, xd, xs, xn4, n_blk, offset, bits, has_min, block_sums, acc)
-        if block_sums:
-            out[t, nt * R:nt * R + min(R, out.shape[1] - nt * R)] = acc[:min(R, out.shape[1] - nt * R)]
-            continue
-        for r in range(min(R, out.shape[1] - nt * R)):
-            h = (((acc[r] + acc[4 * R + r]) + (acc[2 * R + r] + acc[6 * R + r]))
-                 + ((acc[R + r] + acc[5 * R + r]) + (acc[3 * R + r] + acc[7 * R + r])))
-            out[t, nt * R + r] = h + acc[8 * R + r] if has_min else h
+        _store_row(acc, out, t, nt, has_min, block_sums)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _store_row(acc, out, t, nt, has_min, block_sums):
+    """Token t's outputs of tile nt from its accumulators acc (9 R,): ggml's hsum of the 8 lanes."""
+    n_rows = min(R, out.shape[1] - nt * R)
+    if block_sums:
+        out[t, nt * R:nt * R + n_rows] = acc[:n_rows]
+        return
+    for r in range(n_rows):
+        h = (((acc[r] + acc[4 * R + r]) + (acc[2 * R + r] + acc[6 * R + r]))
+             + ((acc[R + r] + acc[5 * R + r]) + (acc[3 * R + r] + acc[7 * R + r])))
+        out[t, nt * R + r] = h + acc[8 * R + r] if has_min else h
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -217,6 +234,23 @@ def _tile_vnni(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, bits, 
         gemv_8_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
     else:
         gemv_8(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _group_vnni(data, w_off, xq, x_off, xd, xs, b_off, n_blk, offset, bits, has_min, acc):
+    """GROUP_TOKENS tokens from x_off (AVX2 batches; lanes_gemv._token_group)."""
+    if bits == 4 and has_min:
+        group_4_min(data, w_off, xq, x_off, xd, xs, b_off, n_blk, offset, acc)
+    elif bits == 4:
+        group_4(data, w_off, xq, x_off, xd, xs, b_off, n_blk, offset, acc)
+    elif bits == 5 and has_min:
+        group_5_min(data, w_off, xq, x_off, xd, xs, b_off, n_blk, offset, acc)
+    elif bits == 5:
+        group_5(data, w_off, xq, x_off, xd, xs, b_off, n_blk, offset, acc)
+    elif has_min:
+        group_8_min(data, w_off, xq, x_off, xd, xs, b_off, n_blk, offset, acc)
+    else:
+        group_8(data, w_off, xq, x_off, xd, xs, b_off, n_blk, offset, acc)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
