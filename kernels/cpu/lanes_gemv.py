@@ -83,6 +83,35 @@ def _lane_x(builder, xp, xnp, b, xb, lane, offset, c, n):
     return xv, _splat_to(builder, builder.neg(builder.mul(offset, n4)), i32s)
 
 
+def _dot4(builder, codes, xv, offset, signed):
+    """<n x i32> sums of 4 products (code - offset) * x, exactly (codes, xv: <4n x i8>, n = 8 or
+    16), on AVX2. signed: as ggml sums signed bytes, vpmaddubsw of |w| and sign(x, w),
+    w = code - offset (|w| <= 128 and |x| <= 127 keep its pairs below saturation); else (offset
+    0, codes below 128) vpmaddubsw of the codes and x. Then vpmaddwd by ones."""
+    n_bytes = codes.type.count
+    i8x32, i16x16 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16)
+    fn = lambda name, ret, n_args: cgutils.get_or_insert_function(  # noqa: E731
+        builder.module, ir.FunctionType(ret, n_args), name)
+    maddubs = fn("llvm.x86.avx2.pmadd.ub.sw", i16x16, [i8x32, i8x32])
+    pmaddwd = fn("llvm.x86.avx2.pmadd.wd", _I32X8, [i16x16, i16x16])
+    psign = fn("llvm.x86.avx2.psign.b", i8x32, [i8x32, i8x32])
+    absb = fn(f"llvm.abs.v{n_bytes}i8", codes.type, [codes.type, ir.IntType(1)])
+    w = a = codes
+    if signed:
+        w = builder.sub(codes, _splat_to(builder, builder.trunc(offset, ir.IntType(8)), codes.type))
+        a = builder.call(absb, [w, ir.Constant(ir.IntType(1), 0)])
+    ones = ir.Constant(i16x16, [1] * 16)
+    halves = []
+    for h in range(n_bytes // 32):
+        pick = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
+        part = (lambda v: v) if n_bytes == 32 else (lambda v: builder.shuffle_vector(v, v, pick))  # noqa: E731
+        x_part = builder.call(psign, [part(xv), part(w)]) if signed else part(xv)
+        halves.append(builder.call(pmaddwd, [builder.call(maddubs, [part(a), x_part]), ones]))
+    if len(halves) == 1:
+        return halves[0]
+    return builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
+
+
 def _quarters(builder, fma, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, block_sums):
     """AVX2 (16 vector registers): the tile as 4 passes over its blocks, 8 rows each, so that a
     pass's 8 lane accumulators (+ summs) stay in registers. Each row's steps are the 32-row
@@ -122,23 +151,14 @@ def _quarters(builder, fma, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, 
 def _token_group(builder, fma, wp, xp, xdp, xsp, outp, b_o, n_blk, offset, c, bits, has_min, n_tok):
     """AVX2, n_tok consecutive tokens of a batch against the tile, so that each weight load
     serves every token. A lane's accumulator depends on no other lane's, so the walk goes
-    PASS_LANES lanes at a time, 8 rows a pass: PASS_LANES * n_tok accumulators stay in registers. Each accumulator takes ggml's fmas, block by
-    block, as in _quarters: the same floats. The integer sums take ggml's sign trick,
-    sum |w| * sign(x, w) with w = code - offset (exact: |w| <= 128, |x| <= 127), so a token
-    needs no offset correction; formats with a min have offset 0 and take the codes as they are.
+    PASS_LANES lanes at a time, 8 rows a pass: PASS_LANES * n_tok accumulators stay in
+    registers. Each accumulator takes ggml's fmas, block by block, as in _quarters: the same
+    floats. The integer sums take ggml's sign trick (_dot4), so a token needs no offset
+    correction; formats with a min have offset 0 and take the codes as they are.
     out (n_tok, 9 R): token k's lane accumulators (lane, row), then its summs."""
     code_bytes = CODE_BYTES[bits]
     block_bytes = code_bytes + 2 * R * (2 if has_min else 1)
-    i8x32, i16x16 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16)
-    maddubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16x16, [i8x32, i8x32]),
-                                             "llvm.x86.avx2.pmadd.ub.sw")
-    pmaddwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32X8, [i16x16, i16x16]),
-                                             "llvm.x86.avx2.pmadd.wd")
-    psign = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i8x32, [i8x32, i8x32]),
-                                           "llvm.x86.avx2.psign.b")
-    absb = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i8x32, [i8x32, ir.IntType(1)]),
-                                          "llvm.abs.v32i8")
-    ones = ir.Constant(i16x16, [1] * 16)
+    i8x32 = ir.VectorType(ir.IntType(8), 32)
     zero_f = ir.Constant(_F32X8, None)
     x_at = [builder.mul(c(32 * k), n_blk) for k in range(n_tok)]
     b_at = [builder.add(b_o, builder.mul(c(k), n_blk)) for k in range(n_tok)]
@@ -159,21 +179,16 @@ def _token_group(builder, fma, wp, xp, xdp, xsp, outp, b_o, n_blk, offset, c, bi
             b, accs, finish = open_loop(builder, n_blk, [zero_f] * (PASS_LANES * n_tok))
             wb = builder.mul(b, c(block_bytes))
             dw = halves(wb, 16 * q)
-            weights = []
-            for lane in range(first, first + PASS_LANES):
-                v = builder.bitcast(_codes(builder, wp, wb, bits, lane, 8 * q, 8, c), i8x32)
-                if not has_min:
-                    v = builder.sub(v, _splat_to(builder, builder.trunc(offset, ir.IntType(8)), i8x32))
-                weights.append((lane, v, v if has_min else builder.call(absb, [v, ir.Constant(ir.IntType(1), 0)])))
+            lanes = range(first, first + PASS_LANES)
+            codes = [builder.bitcast(_codes(builder, wp, wb, bits, lane, 8 * q, 8, c), i8x32) for lane in lanes]
             news = []
             for k in range(n_tok):
                 dd = builder.fmul(dw, block_x(k, b, _F32X8, xdp))
-                for g, (lane, w, a) in enumerate(weights):
+                for g, lane in enumerate(lanes):
                     x4 = builder.load(builder.bitcast(builder.gep(xp, [builder.add(
                         x_at[k], builder.add(builder.mul(b, c(32)), c(4 * lane)))]), _I32.as_pointer()), align=1)
                     xv = builder.bitcast(_splat_to(builder, x4, _I32X8), i8x32)
-                    s = xv if has_min else builder.call(psign, [xv, w])
-                    sums = builder.call(pmaddwd, [builder.call(maddubs, [a, s]), ones])
+                    sums = _dot4(builder, codes[g], xv, offset, not has_min)
                     news.append(builder.call(fma, [dd, builder.sitofp(sums, _F32X8), accs[PASS_LANES * k + g]]))
             results = finish(news)
             for k in range(n_tok):
@@ -212,7 +227,8 @@ def _one_pass(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits,
         xv, start = _lane_x(builder, xp, xnp, b, xb, lane, offset, c, 16)
         for h in range(2):
             codes = _codes(builder, wp, wb, bits, lane, 16 * h, 16, c)
-            lanes = dpbusd(builder, start, codes, xv, small=bits < 8)
+            lanes = (_dot4(builder, codes, xv, offset, True) if bits == 8 and not HAS_VNNI
+                     else dpbusd(builder, start, codes, xv, small=bits < 8))
             if block_sums:  # the block's exact sum in lane 0's accumulators, the others stay 0
                 totals[h] = lanes if totals[h] is None else builder.add(totals[h], lanes)
                 news.append(accs[2 * lane + h])
