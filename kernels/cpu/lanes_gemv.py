@@ -205,7 +205,7 @@ def _token_group(builder, fma, wp, xp, xdp, xsp, outp, b_o, n_blk, offset, c, bi
 
 def _one_pass(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, block_sums):
     """The tile's 32 rows in one walk over its blocks: 16 accumulators of 16 floats (AVX-512's
-    registers; on AVX2 the memory-bound lone token)."""
+    registers; on AVX2 a lone token, and each token of a batch of 2 or 3)."""
     code_bytes = CODE_BYTES[bits]
     block_bytes = code_bytes + 2 * R * (2 if has_min else 1)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X16, [_F32X16] * 3), "llvm.fma.v16f32")
