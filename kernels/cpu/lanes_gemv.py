@@ -83,6 +83,12 @@ def _lane_x(builder, xp, xnp, b, xb, lane, offset, c, n):
     return xv, _splat_to(builder, builder.neg(builder.mul(offset, n4)), i32s)
 
 
+def _halves8(builder, wp, wb, at, c):
+    """8 float16 values at byte wb + at of the tile (a block's scales or mins), as float."""
+    v = _load(builder, wp, builder.add(wb, c(at)), _I16X8)
+    return builder.fpext(builder.bitcast(v, _F16X8), _F32X8)
+
+
 def _dot4(builder, codes, xv, offset, signed):
     """<n x i32> sums of 4 products (code - offset) * x, exactly (codes, xv: <4n x i8>, n = 8 or
     16), on AVX2. signed: as ggml sums signed bytes, vpmaddubsw of |w| and sign(x, w),
@@ -120,15 +126,12 @@ def _quarters(builder, fma, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, 
     block_bytes = code_bytes + 2 * R * (2 if has_min else 1)
     zero_f = ir.Constant(_F32X8, None)
 
-    def halves(wb, at):  # 8 float16 values of this block at byte `at` after the codes, as float
-        v = _load(builder, wp, builder.add(wb, c(code_bytes + at)), _I16X8)
-        return builder.fpext(builder.bitcast(v, _F16X8), _F32X8)
-
     for q in range(4):
         b, accs, finish = open_loop(builder, n_blk, [zero_f] * (9 if has_min else 8))
         wb = builder.mul(b, c(block_bytes))
         xb = builder.add(b_o, b)
-        dd = builder.fmul(halves(wb, 16 * q), _splat_to(builder, builder.load(builder.gep(xdp, [xb])), _F32X8))
+        xd = _splat_to(builder, builder.load(builder.gep(xdp, [xb])), _F32X8)
+        dd = builder.fmul(_halves8(builder, wp, wb, code_bytes + 16 * q, c), xd)
         news, total = [], None
         for lane in range(8):
             xv, start = _lane_x(builder, xp, xnp, b, xb, lane, offset, c, 8)
@@ -142,7 +145,7 @@ def _quarters(builder, fma, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, 
             news[0] = builder.call(fma, [dd, builder.sitofp(total, _F32X8), accs[0]])
         if has_min:
             xsv = _splat_to(builder, builder.load(builder.gep(xsp, [xb])), _F32X8)
-            news.append(builder.call(fma, [halves(wb, 2 * R + 16 * q), xsv, accs[8]]))
+            news.append(builder.call(fma, [_halves8(builder, wp, wb, code_bytes + 2 * R + 16 * q, c), xsv, accs[8]]))
         for k, res in enumerate(finish(news)):  # lane k's rows 8q.., then the summs
             ptr = builder.bitcast(builder.gep(outp, [ir.Constant(_I64, R * k + 8 * q)]), _F32X8.as_pointer())
             builder.store(res, ptr, align=4)
@@ -167,10 +170,6 @@ def _token_group(builder, fma, wp, xp, xdp, xsp, outp, b_o, n_blk, offset, c, bi
         at = ir.Constant(_I64, 9 * R * k + R * slot + 8 * q)
         builder.store(res, builder.bitcast(builder.gep(outp, [at]), _F32X8.as_pointer()), align=4)
 
-    def halves(wb, at):  # 8 float16 values of this block at byte `at` after the codes, as float
-        v = _load(builder, wp, builder.add(wb, c(code_bytes + at)), _I16X8)
-        return builder.fpext(builder.bitcast(v, _F16X8), _F32X8)
-
     def block_x(k, b, vector_type, array):  # token k's value of block b in every lane
         return _splat_to(builder, builder.load(builder.gep(array, [builder.add(b_at[k], b)])), vector_type)
 
@@ -178,7 +177,7 @@ def _token_group(builder, fma, wp, xp, xdp, xsp, outp, b_o, n_blk, offset, c, bi
         for first in range(0, 8, PASS_LANES):
             b, accs, finish = open_loop(builder, n_blk, [zero_f] * (PASS_LANES * n_tok))
             wb = builder.mul(b, c(block_bytes))
-            dw = halves(wb, 16 * q)
+            dw = _halves8(builder, wp, wb, code_bytes + 16 * q, c)
             lanes = range(first, first + PASS_LANES)
             codes = [builder.bitcast(_codes(builder, wp, wb, bits, lane, 8 * q, 8, c), i8x32) for lane in lanes]
             news = []
@@ -197,7 +196,7 @@ def _token_group(builder, fma, wp, xp, xdp, xsp, outp, b_o, n_blk, offset, c, bi
         if has_min:
             b, accs, finish = open_loop(builder, n_blk, [zero_f] * n_tok)
             wb = builder.mul(b, c(block_bytes))
-            mw = halves(wb, 2 * R + 16 * q)
+            mw = _halves8(builder, wp, wb, code_bytes + 2 * R + 16 * q, c)
             results = finish([builder.call(fma, [mw, block_x(k, b, _F32X8, xsp), accs[k]]) for k in range(n_tok)])
             for k in range(n_tok):
                 store(results[k], k, 8, q)
