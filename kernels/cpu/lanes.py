@@ -146,11 +146,11 @@ def qmatmul_lanes(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def qmatmul_lanes3(data1, data2, data3, n_mats, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out1, out2, out3):
+def qmatmul_lanes3(data1, data2, data3, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out1, out2, out3):
     """qmatmul_lanes for two or three matrices of one format taking the same activations (q/k/v,
-    gate/up) in one parallel region; with n_mats 2 the third is not used."""
+    gate/up) in one parallel region; for two, out3 has no columns (data3 is not read)."""
     nt1, nt2 = (out1.shape[1] + R - 1) // R, (out2.shape[1] + R - 1) // R
-    n_jobs = nt1 + nt2 + ((out3.shape[1] + R - 1) // R if n_mats == 3 else 0)
+    n_jobs = nt1 + nt2 + (out3.shape[1] + R - 1) // R
     for job in nb.prange(n_jobs):
         if job < nt1:
             _lanes_tile(data1, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out1, job)
@@ -166,7 +166,7 @@ WIDEN_MIN_TOKENS = 8
 BATCH_WALK_MIN_TOKENS = 4
 
 
-@nb.njit(inline="always", cache=True, nogil=True)
+@nb.njit(cache=True, nogil=True)  # not inlined: the three calls of qmatmul_lanes3 share one copy
 def _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, nt):
     """The rows of tile nt, every token (the tile stays in L1): on AVX2, batches GROUP_TOKENS
     tokens a walk, then one token at a time."""

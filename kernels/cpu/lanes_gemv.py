@@ -47,17 +47,24 @@ def _load(builder, base, offset, vector_type):
 
 def _codes(builder, wp, wb, bits, lane, first, n_rows, c):
     """The stored codes of rows first..first + n_rows - 1 (16 or 8: a half or a quarter of the
-    tile) of lane `lane`, in the block at byte wb: <4 n_rows x i8>."""
+    tile) of lane `lane`, in the block at byte wb: <4 n_rows x i8>. lane: a number, or (pair,
+    odd) with pair an LLVM value (lane 2 pair + odd, for walks that loop over lane pairs); first:
+    a number or an LLVM value, a multiple of 8."""
+    pair, odd = (c(lane // 2), lane % 2) if isinstance(lane, int) else lane
+    lane_at = builder.add(builder.mul(pair, c(2)), c(odd))  # the lane, as an LLVM value
+    first = c(first) if isinstance(first, int) else first
     vector = ir.VectorType(ir.IntType(8), 4 * n_rows)
-    v = _load(builder, wp, builder.add(wb, c(_LANE_BYTES * (lane if bits == 8 else lane // 2) + 4 * first)), vector)
+    at = builder.add(builder.mul(lane_at if bits == 8 else pair, c(_LANE_BYTES)), builder.mul(first, c(4)))
+    v = _load(builder, wp, builder.add(wb, at), vector)
     if bits == 8:
         return v
-    if lane % 2:
+    if odd:
         v = builder.lshr(v, ir.Constant(vector, [4] * 4 * n_rows))
     else:
         v = builder.and_(v, ir.Constant(vector, [15] * 4 * n_rows))
     if bits == 5:  # the fifth bits: 64 per (lane, half), one per code byte of the half
-        at = builder.add(wb, c(4 * _LANE_BYTES + 8 * (2 * lane + first // 16) + first % 16 // 2))
+        at = builder.add(builder.add(wb, c(4 * _LANE_BYTES)),
+                         builder.add(builder.mul(lane_at, c(16)), builder.lshr(first, c(1))))
         mask = builder.load(builder.bitcast(builder.gep(wp, [at]), ir.IntType(4 * n_rows).as_pointer()), align=1)
         fifth = builder.select(builder.bitcast(mask, ir.VectorType(ir.IntType(1), 4 * n_rows)),
                                ir.Constant(vector, [16] * 4 * n_rows), ir.Constant(vector, [0] * 4 * n_rows))
@@ -83,9 +90,10 @@ def _lane_x(builder, xp, xnp, b, xb, lane, offset, c, n):
     return xv, _splat_to(builder, builder.neg(builder.mul(offset, n4)), i32s)
 
 
-def _halves8(builder, wp, wb, at, c):
-    """8 float16 values at byte wb + at of the tile (a block's scales or mins), as float."""
-    v = _load(builder, wp, builder.add(wb, c(at)), _I16X8)
+def _halves8(builder, wp, wb, at):
+    """8 float16 values at byte wb + at (an LLVM value) of the tile (a block's scales or mins),
+    as float."""
+    v = _load(builder, wp, builder.add(wb, at), _I16X8)
     return builder.fpext(builder.bitcast(v, _F16X8), _F32X8)
 
 
@@ -119,46 +127,51 @@ def _dot4(builder, codes, xv, offset, signed):
 
 
 def _quarters(builder, fma, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, block_sums):
-    """AVX2 (16 vector registers): the tile as 4 passes over its blocks, 8 rows each, so that a
-    pass's 8 lane accumulators (+ summs) stay in registers. Each row's steps are the 32-row
-    walk's, in the same order: the same floats."""
+    """AVX2 (16 vector registers): the tile as 4 passes over its blocks, 8 rows each (a loop,
+    not unrolled: one copy of the walk to compile), so that a pass's 8 lane accumulators (+
+    summs) stay in registers. Each row's steps are the 32-row walk's, in the same order: the
+    same floats."""
     code_bytes = CODE_BYTES[bits]
     block_bytes = code_bytes + 2 * R * (2 if has_min else 1)
     zero_f = ir.Constant(_F32X8, None)
 
-    for q in range(4):
-        b, accs, finish = open_loop(builder, n_blk, [zero_f] * (9 if has_min else 8))
-        wb = builder.mul(b, c(block_bytes))
-        xb = builder.add(b_o, b)
-        xd = _splat_to(builder, builder.load(builder.gep(xdp, [xb])), _F32X8)
-        dd = builder.fmul(_halves8(builder, wp, wb, code_bytes + 16 * q, c), xd)
-        news, total = [], None
-        for lane in range(8):
-            xv, start = _lane_x(builder, xp, xnp, b, xb, lane, offset, c, 8)
-            lanes = dpbusd8(builder, start, _codes(builder, wp, wb, bits, lane, 8 * q, 8, c), xv, small=bits < 8)
-            if block_sums:  # the block's exact sum in lane 0's accumulator, the others stay 0
-                total = lanes if total is None else builder.add(total, lanes)
-                news.append(accs[lane])
-            else:
-                news.append(builder.call(fma, [dd, builder.sitofp(lanes, _F32X8), accs[lane]]))
-        if block_sums:
-            news[0] = builder.call(fma, [dd, builder.sitofp(total, _F32X8), accs[0]])
-        if has_min:
-            xsv = _splat_to(builder, builder.load(builder.gep(xsp, [xb])), _F32X8)
-            news.append(builder.call(fma, [_halves8(builder, wp, wb, code_bytes + 2 * R + 16 * q, c), xsv, accs[8]]))
-        for k, res in enumerate(finish(news)):  # lane k's rows 8q.., then the summs
-            ptr = builder.bitcast(builder.gep(outp, [ir.Constant(_I64, R * k + 8 * q)]), _F32X8.as_pointer())
-            builder.store(res, ptr, align=4)
+    q, _, end_quarters = open_loop(builder, c(4), [])
+    first = builder.mul(q, c(8))  # the quarter's first row
+    b, accs, finish = open_loop(builder, n_blk, [zero_f] * (9 if has_min else 8))
+    wb = builder.mul(b, c(block_bytes))
+    xb = builder.add(b_o, b)
+    xd = _splat_to(builder, builder.load(builder.gep(xdp, [xb])), _F32X8)
+    dd = builder.fmul(_halves8(builder, wp, wb, builder.add(c(code_bytes), builder.mul(first, c(2)))), xd)
+    news, total = [], None
+    for lane in range(8):
+        xv, start = _lane_x(builder, xp, xnp, b, xb, lane, offset, c, 8)
+        lanes = dpbusd8(builder, start, _codes(builder, wp, wb, bits, lane, first, 8, c), xv, small=bits < 8)
+        if block_sums:  # the block's exact sum in lane 0's accumulator, the others stay 0
+            total = lanes if total is None else builder.add(total, lanes)
+            news.append(accs[lane])
+        else:
+            news.append(builder.call(fma, [dd, builder.sitofp(lanes, _F32X8), accs[lane]]))
+    if block_sums:
+        news[0] = builder.call(fma, [dd, builder.sitofp(total, _F32X8), accs[0]])
+    if has_min:
+        xsv = _splat_to(builder, builder.load(builder.gep(xsp, [xb])), _F32X8)
+        mins = _halves8(builder, wp, wb, builder.add(c(code_bytes + 2 * R), builder.mul(first, c(2))))
+        news.append(builder.call(fma, [mins, xsv, accs[8]]))
+    for k, res in enumerate(finish(news)):  # lane k's rows 8q.., then the summs
+        ptr = builder.bitcast(builder.gep(outp, [builder.add(c(R * k), first)]), _F32X8.as_pointer())
+        builder.store(res, ptr, align=4)
+    end_quarters([])
 
 
 def _token_group(builder, fma, wp, xp, xdp, xsp, outp, b_o, n_blk, offset, c, bits, has_min, n_tok):
     """AVX2, n_tok consecutive tokens of a batch against the tile, so that each weight load
-    serves every token. A lane's accumulator depends on no other lane's, so the walk goes
-    PASS_LANES lanes at a time, 8 rows a pass: PASS_LANES * n_tok accumulators stay in
-    registers. Each accumulator takes ggml's fmas, block by block, as in _quarters: the same
-    floats. The integer sums take ggml's sign trick (_dot4), so a token needs no offset
-    correction; formats with a min have offset 0 and take the codes as they are.
-    out (n_tok, 9 R): token k's lane accumulators (lane, row), then its summs."""
+    serves every token. A lane's accumulator depends on no other lane's, so the walk goes a
+    lane pair at a time, 8 rows a pass (a loop over the 16 (quarter, pair) passes, not
+    unrolled): 2 n_tok accumulators stay in registers. Each accumulator takes ggml's fmas,
+    block by block, as in _quarters: the same floats. The integer sums take ggml's sign trick
+    (_dot4), so a token needs no offset correction; formats with a min have offset 0 and take
+    the codes as they are. out (n_tok, 9 R): token k's lane accumulators (lane, row), then its
+    summs."""
     code_bytes = CODE_BYTES[bits]
     block_bytes = code_bytes + 2 * R * (2 if has_min else 1)
     i8x32 = ir.VectorType(ir.IntType(8), 32)
@@ -166,40 +179,44 @@ def _token_group(builder, fma, wp, xp, xdp, xsp, outp, b_o, n_blk, offset, c, bi
     x_at = [builder.mul(c(32 * k), n_blk) for k in range(n_tok)]
     b_at = [builder.add(b_o, builder.mul(c(k), n_blk)) for k in range(n_tok)]
 
-    def store(res, k, slot, q):  # token k's 8 rows 8q.. of accumulator slot (lane, or 8: summs)
-        at = ir.Constant(_I64, 9 * R * k + R * slot + 8 * q)
+    def store(res, k, slot, first):  # token k's 8 rows from `first` of accumulator slot (lane, or 8: summs)
+        at = builder.add(builder.add(c(9 * R * k), builder.mul(slot, c(R))), first)
         builder.store(res, builder.bitcast(builder.gep(outp, [at]), _F32X8.as_pointer()), align=4)
 
     def block_x(k, b, vector_type, array):  # token k's value of block b in every lane
         return _splat_to(builder, builder.load(builder.gep(array, [builder.add(b_at[k], b)])), vector_type)
 
-    for q in range(4):
-        for first in range(0, 8, PASS_LANES):
-            b, accs, finish = open_loop(builder, n_blk, [zero_f] * (PASS_LANES * n_tok))
-            wb = builder.mul(b, c(block_bytes))
-            dw = _halves8(builder, wp, wb, code_bytes + 16 * q, c)
-            lanes = range(first, first + PASS_LANES)
-            codes = [builder.bitcast(_codes(builder, wp, wb, bits, lane, 8 * q, 8, c), i8x32) for lane in lanes]
-            news = []
-            for k in range(n_tok):
-                dd = builder.fmul(dw, block_x(k, b, _F32X8, xdp))
-                for g, lane in enumerate(lanes):
-                    x4 = builder.load(builder.bitcast(builder.gep(xp, [builder.add(
-                        x_at[k], builder.add(builder.mul(b, c(32)), c(4 * lane)))]), _I32.as_pointer()), align=1)
-                    xv = builder.bitcast(_splat_to(builder, x4, _I32X8), i8x32)
-                    sums = _dot4(builder, codes[g], xv, offset, not has_min)
-                    news.append(builder.call(fma, [dd, builder.sitofp(sums, _F32X8), accs[PASS_LANES * k + g]]))
-            results = finish(news)
-            for k in range(n_tok):
-                for g in range(PASS_LANES):
-                    store(results[PASS_LANES * k + g], k, first + g, q)
-        if has_min:
-            b, accs, finish = open_loop(builder, n_blk, [zero_f] * n_tok)
-            wb = builder.mul(b, c(block_bytes))
-            mw = _halves8(builder, wp, wb, code_bytes + 2 * R + 16 * q, c)
-            results = finish([builder.call(fma, [mw, block_x(k, b, _F32X8, xsp), accs[k]]) for k in range(n_tok)])
-            for k in range(n_tok):
-                store(results[k], k, 8, q)
+    p, _, end_passes = open_loop(builder, c(16), [])
+    pair, first = builder.and_(p, c(3)), builder.mul(builder.lshr(p, c(2)), c(8))  # lanes 2 pair, 2 pair + 1
+    b, accs, finish = open_loop(builder, n_blk, [zero_f] * (2 * n_tok))
+    wb = builder.mul(b, c(block_bytes))
+    dw = _halves8(builder, wp, wb, builder.add(c(code_bytes), builder.mul(first, c(2))))
+    codes = [builder.bitcast(_codes(builder, wp, wb, bits, (pair, odd), first, 8, c), i8x32) for odd in range(2)]
+    news = []
+    for k in range(n_tok):
+        dd = builder.fmul(dw, block_x(k, b, _F32X8, xdp))
+        for odd in range(2):
+            lane_x = builder.add(builder.mul(pair, c(8)), c(4 * odd))  # 4 lane: the lane's first column
+            x4 = builder.load(builder.bitcast(builder.gep(xp, [builder.add(
+                x_at[k], builder.add(builder.mul(b, c(32)), lane_x))]), _I32.as_pointer()), align=1)
+            xv = builder.bitcast(_splat_to(builder, x4, _I32X8), i8x32)
+            sums = _dot4(builder, codes[odd], xv, offset, not has_min)
+            news.append(builder.call(fma, [dd, builder.sitofp(sums, _F32X8), accs[2 * k + odd]]))
+    results = finish(news)
+    for k in range(n_tok):
+        for odd in range(2):
+            store(results[2 * k + odd], k, builder.add(builder.mul(pair, c(2)), c(odd)), first)
+    end_passes([])
+    if has_min:
+        q, _, end_quarters = open_loop(builder, c(4), [])
+        first = builder.mul(q, c(8))
+        b, accs, finish = open_loop(builder, n_blk, [zero_f] * n_tok)
+        wb = builder.mul(b, c(block_bytes))
+        mw = _halves8(builder, wp, wb, builder.add(c(code_bytes + 2 * R), builder.mul(first, c(2))))
+        results = finish([builder.call(fma, [mw, block_x(k, b, _F32X8, xsp), accs[k]]) for k in range(n_tok)])
+        for k in range(n_tok):
+            store(results[k], k, c(8), first)
+        end_quarters([])
 
 
 def _one_pass(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, block_sums):
@@ -315,10 +332,10 @@ def _make_group(bits: int, has_min: bool, n_tok: int):
     return lanes_group
 
 
-# AVX2 batches: GROUP_TOKENS tokens a walk of the tile (lanes.py), PASS_LANES lanes a pass. Over
+# AVX2 batches: GROUP_TOKENS tokens a walk of the tile (lanes.py), two lanes a pass. Over
 # SmolLM2's Q4_1 matrices and its Q8_0 output product these were the fastest of (lanes, tokens)
 # (2, 4), (2, 3), (1, 4), (1, 8), (2, 6), (4, 2); against a token at a time 1.3-1.7x and 1.2-1.3x.
-GROUP_TOKENS, PASS_LANES = 4, 2
+GROUP_TOKENS = 4
 group_4, group_4_min = _make_group(4, False, GROUP_TOKENS), _make_group(4, True, GROUP_TOKENS)
 group_5, group_5_min = _make_group(5, False, GROUP_TOKENS), _make_group(5, True, GROUP_TOKENS)
 group_8, group_8_min = _make_group(8, False, GROUP_TOKENS), _make_group(8, True, GROUP_TOKENS)

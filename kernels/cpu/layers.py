@@ -28,6 +28,10 @@ from .matmul import (KIND_Q8_1, PRODUCT_K_LANES, PRODUCT_LANES, PRODUCT_LANES_BL
 _SPLIT_BF16 = np.float32(65537.0)  # 2^(24-8) + 1: keeps bfloat16's 8 significant bits
 
 _SER = dict(cache=True, nogil=True)
+# Numba compiles the code of every njit function a function calls again into that function,
+# so each level of a call chain compiles all below it once more. The wrappers between a layer
+# and the kernels (products, attention) are inlined instead: a layer compiles each kernel once.
+_WRAPPER = dict(inline="always", cache=True, nogil=True)
 
 
 @nb.njit(**_SER)
@@ -73,7 +77,7 @@ def _round_to_format(x, fmt):
     return out
 
 
-@nb.njit(**_SER)
+@nb.njit(**_WRAPPER)
 def _apply(w, x, act):
     """out (T, N) = x @ W.T with act = quantize(x, W's kind) (unused for float weights)."""
     data, scale, bias, offset, bits, fweight, n_rows, group, kind, float_format, sb, product = w
@@ -97,7 +101,7 @@ def _apply(w, x, act):
     return out
 
 
-@nb.njit(**_SER)
+@nb.njit(**_WRAPPER)
 def linear(w, x):
     """out (T, N) = x (T, K) @ W.T, activations quantized as llama.cpp pairs them with W."""
     return _apply(w, x, quantize(x, max(w[8], 0)))
@@ -112,19 +116,19 @@ def _lanes_together(w1, w2, w3):
             and w1[4] == w2[4] and w1[4] == w3[4])
 
 
-@nb.njit(**_SER)
+@nb.njit(**_WRAPPER)
 def _lanes3(w1, w2, w3, n_mats, x):
     """(x @ W1.T, x @ W2.T, x @ W3.T or None-like) in one parallel region (see _lanes_together)."""
     q, d16, s16, n16, d32, s32, n32, n4 = quantize(x, w1[8])
     T = x.shape[0]
     o1, o2 = np.empty((T, w1[6]), np.float32), np.empty((T, w2[6]), np.float32)
     o3 = np.empty((T, w3[6] if n_mats == 3 else 0), np.float32)
-    qmatmul_lanes3(w1[0], w2[0], w3[0], n_mats, w1[4], w1[8] == KIND_Q8_1, w1[3], w1[11] == PRODUCT_LANES_BLOCKS,
+    qmatmul_lanes3(w1[0], w2[0], w3[0], w1[4], w1[8] == KIND_Q8_1, w1[3], w1[11] == PRODUCT_LANES_BLOCKS,
                    q, d32, s32, n4, o1, o2, o3)
     return o1, o2, o3
 
 
-@nb.njit(**_SER)
+@nb.njit(**_WRAPPER)
 def linear2(w1, w2, x):
     """(x @ W1.T, x @ W2.T), quantizing x once when both take the same activation kind."""
     if _lanes_together(w1, w2, w1):
@@ -135,7 +139,7 @@ def linear2(w1, w2, x):
     return _apply(w1, x, a1), _apply(w2, x, a2)
 
 
-@nb.njit(**_SER)
+@nb.njit(**_WRAPPER)
 def linear3(w1, w2, w3, x):
     """(x @ W1.T, x @ W2.T, x @ W3.T), quantizing x once per distinct activation kind."""
     if _lanes_together(w1, w2, w3):
@@ -161,7 +165,7 @@ def norm(x, weight, eps):
 NO_PAGING = (np.zeros(0, np.int64), np.zeros((0, 0), np.int64), -1, 0)
 
 
-@nb.njit(**_SER)
+@nb.njit(**_WRAPPER)
 def attend(q, k, v, positions, kv, window, scale, softcap, n_heads, n_kv_heads, head_dim):
     """Store this batch's k/v at their slots, then attention of q over the cache."""
     kcache, vcache, kv_pos, slots, n_keep, paging = kv
@@ -217,7 +221,7 @@ def head_norm(x, weight, eps, n_heads, head_dim):
     return norm(x.reshape(T * n_heads, head_dim), weight, eps).reshape(T, n_heads * head_dim)
 
 
-@nb.njit(**_SER)
+@nb.njit(**_WRAPPER)
 def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, softcap, n_heads, n_kv_heads,
                 head_dim, rope_dims, neox):
     """RoPE on q and k (cos/sin rope_table), q *= q_scale, store k/v in the cache, attention
