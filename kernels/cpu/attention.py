@@ -42,6 +42,8 @@ SPLIT_PARTS = max(1, nb.config.NUMBA_NUM_THREADS)
 F16_DOT_STEP = 64 if GGML_AVX512 else 32
 
 _NO_TABLE = np.zeros(0, np.int64)  # the block table of a sequence's own (unpaged) cache
+# _one_chunk's callers pass its first cell and shift as np.int64 and an empty table of their own:
+# a constant argument (a Literal type) or this read-only global would compile another copy of it
 
 _PAR = dict(parallel=True, cache=True, nogil=True)
 _SER = dict(cache=True, nogil=True)
@@ -209,13 +211,14 @@ def _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window,
     group = n_heads // kcache.shape[1]
     G = _heads_per_job(T * n_heads, group)
     n_sets = n_heads // G
+    no_table = np.zeros(0, np.int64)
     for job in nb.prange(T * n_sets):
         t, h0 = job // n_sets, (job % n_sets) * G
         acc = np.empty((G, D), np.float32)
         m = np.empty(G, np.float32)
         s_sum = np.empty(G, np.float32)
-        _one_chunk(_queries_f16(q, t, h0, G, D), 0, n_cells, q_pos[t], q_pos[-1], n_keep, kcache.shape[0], kcache,
-                   vcache, kv_pos, _NO_TABLE, -1, h0 // group, window, scale, softcap, acc, m, s_sum)
+        _one_chunk(_queries_f16(q, t, h0, G, D), np.int64(0), n_cells, q_pos[t], q_pos[-1], n_keep, kcache.shape[0],
+                   kcache, vcache, kv_pos, no_table, np.int64(-1), h0 // group, window, scale, softcap, acc, m, s_sum)
         for g in range(G):
             inv = np.float32(1.0) / s_sum[g] if s_sum[g] != 0 else np.float32(0.0)
             for d in range(D):
@@ -232,6 +235,7 @@ def _split_runs(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale
     G = _heads_per_job(n_parts * n_heads, group)
     n_sets = n_heads // G
     run = (n_cells + n_parts - 1) // n_parts
+    no_table = np.zeros(0, np.int64)
     for job in nb.prange(n_parts * n_sets):
         part, h0 = job // n_sets, (job % n_sets) * G
         if part * run >= n_cells:
@@ -241,7 +245,7 @@ def _split_runs(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale
         m_j = np.empty(G, np.float32)
         s_j = np.empty(G, np.float32)
         _one_chunk(_queries_f16(q, 0, h0, G, D), part * run, (part + 1) * run, q_pos[0], q_pos[0], n_keep,
-                   kcache.shape[0], kcache, vcache, kv_pos, _NO_TABLE, -1, h0 // group, window, scale, softcap, acc_j, m_j, s_j)
+                   kcache.shape[0], kcache, vcache, kv_pos, no_table, np.int64(-1), h0 // group, window, scale, softcap, acc_j, m_j, s_j)
         acc[part, h0:h0 + G] = acc_j
         m[part, h0:h0 + G] = m_j
         s_sum[part, h0:h0 + G] = s_j

@@ -142,7 +142,7 @@ def qmatmul_lanes(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out)
     """out (T, N) = x @ W.T for W in lanes tiles; x quantized: xq (T*K,) codes, xd/xs (T, K/32)
     the activation scales and scaled sums, xn4 (T, K/4) sums of the codes of every 4 columns."""
     for nt in nb.prange((out.shape[1] + R - 1) // R):
-        _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, nt)
+        _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, np.int64(nt))
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
@@ -153,11 +153,11 @@ def qmatmul_lanes3(data1, data2, data3, bits, has_min, offset, block_sums, xq, x
     n_jobs = nt1 + nt2 + (out3.shape[1] + R - 1) // R
     for job in nb.prange(n_jobs):
         if job < nt1:
-            _lanes_tile(data1, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out1, job)
+            _lanes_tile(data1, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out1, np.int64(job))
         elif job < nt1 + nt2:
-            _lanes_tile(data2, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out2, job - nt1)
+            _lanes_tile(data2, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out2, np.int64(job - nt1))
         else:
-            _lanes_tile(data3, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out3, job - nt1 - nt2)
+            _lanes_tile(data3, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out3, np.int64(job - nt1 - nt2))
 
 
 # from this many tokens on, a 5-bit tile is widened to bytes once rather than at every token
