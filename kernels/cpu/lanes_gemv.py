@@ -90,10 +90,10 @@ def _lane_x(builder, xp, xnp, b, xb, lane, offset, c, n):
     return xv, _splat_to(builder, builder.neg(builder.mul(offset, n4)), i32s)
 
 
-def _halves8(builder, wp, wb, at):
-    """8 float16 values at byte wb + at (an LLVM value) of the tile (a block's scales or mins),
-    as float."""
-    v = _load(builder, wp, builder.add(wb, at), _I16X8)
+def _halves8(builder, wp, wb, base, first, c):
+    """The float16 scales (base: the block's code bytes) or mins (base: 2 R bytes further) of
+    the block at byte wb, for the 8 rows from `first` (an LLVM value), as float."""
+    v = _load(builder, wp, builder.add(wb, builder.add(c(base), builder.mul(first, c(2)))), _I16X8)
     return builder.fpext(builder.bitcast(v, _F16X8), _F32X8)
 
 
@@ -141,7 +141,7 @@ def _quarters(builder, fma, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, 
     wb = builder.mul(b, c(block_bytes))
     xb = builder.add(b_o, b)
     xd = _splat_to(builder, builder.load(builder.gep(xdp, [xb])), _F32X8)
-    dd = builder.fmul(_halves8(builder, wp, wb, builder.add(c(code_bytes), builder.mul(first, c(2)))), xd)
+    dd = builder.fmul(_halves8(builder, wp, wb, code_bytes, first, c), xd)
     news, total = [], None
     for lane in range(8):
         xv, start = _lane_x(builder, xp, xnp, b, xb, lane, offset, c, 8)
@@ -155,7 +155,7 @@ def _quarters(builder, fma, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, 
         news[0] = builder.call(fma, [dd, builder.sitofp(total, _F32X8), accs[0]])
     if has_min:
         xsv = _splat_to(builder, builder.load(builder.gep(xsp, [xb])), _F32X8)
-        mins = _halves8(builder, wp, wb, builder.add(c(code_bytes + 2 * R), builder.mul(first, c(2))))
+        mins = _halves8(builder, wp, wb, code_bytes + 2 * R, first, c)
         news.append(builder.call(fma, [mins, xsv, accs[8]]))
     for k, res in enumerate(finish(news)):  # lane k's rows 8q.., then the summs
         ptr = builder.bitcast(builder.gep(outp, [builder.add(c(R * k), first)]), _F32X8.as_pointer())
@@ -190,7 +190,7 @@ def _token_group(builder, fma, wp, xp, xdp, xsp, outp, b_o, n_blk, offset, c, bi
     pair, first = builder.and_(p, c(3)), builder.mul(builder.lshr(p, c(2)), c(8))  # lanes 2 pair, 2 pair + 1
     b, accs, finish = open_loop(builder, n_blk, [zero_f] * (2 * n_tok))
     wb = builder.mul(b, c(block_bytes))
-    dw = _halves8(builder, wp, wb, builder.add(c(code_bytes), builder.mul(first, c(2))))
+    dw = _halves8(builder, wp, wb, code_bytes, first, c)
     codes = [builder.bitcast(_codes(builder, wp, wb, bits, (pair, odd), first, 8, c), i8x32) for odd in range(2)]
     news = []
     for k in range(n_tok):
@@ -212,7 +212,7 @@ def _token_group(builder, fma, wp, xp, xdp, xsp, outp, b_o, n_blk, offset, c, bi
         first = builder.mul(q, c(8))
         b, accs, finish = open_loop(builder, n_blk, [zero_f] * n_tok)
         wb = builder.mul(b, c(block_bytes))
-        mw = _halves8(builder, wp, wb, builder.add(c(code_bytes + 2 * R), builder.mul(first, c(2))))
+        mw = _halves8(builder, wp, wb, code_bytes + 2 * R, first, c)
         results = finish([builder.call(fma, [mw, block_x(k, b, _F32X8, xsp), accs[k]]) for k in range(n_tok)])
         for k in range(n_tok):
             store(results[k], k, c(8), first)
