@@ -26,6 +26,7 @@ import numpy as np
 
 from .f16 import f16_round, f16_round_finite, f16_value
 from .fma import fma
+from .head_walk import WALK_MAX_VALUES, expf_exact, heads_walk_f16
 from .ops import GGML_AVX512, v_expf_avx2
 from .simd import dot_f16_32, dot_f16_64, f16_mad_rows, f16_rescale_add_rows, fma_chain_64, fma_chains_64x2, v_expf_rows
 
@@ -146,42 +147,69 @@ def _capped(score, softcap):
     return softcap * np.float32(math.tanh(score))
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def _visible_rows(first, end, pos, window, n_keep, ring_start, n_slots, kv_pos, table, shift, row_width, row_off):
+    """row * row_width + row_off for the cache row of each cell in [first, end) that a query at
+    pos sees, in cell order (the one-chunk walk's cells, looked up once for all its heads)."""
+    at = np.empty(max(0, end - first), np.int64)
+    n = 0
+    cell, row = _next_visible(first, end, pos, window, n_keep, ring_start, n_slots, kv_pos, table, shift)
+    while row >= 0:
+        at[n] = row * row_width + row_off
+        n += 1
+        cell, row = _next_visible(cell + 1, end, pos, window, n_keep, ring_start, n_slots, kv_pos, table, shift)
+    return at[:n]
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _head_walk(k, v, row_at, q, q_at, scale, softcap, acc, acc_at, D):
+    """heads_walk_f16's steps in Numba code, for what it does not take (soft-capping, D not a
+    multiple of 32): acc[acc_at:acc_at + D] the V sum; returns (M, S)."""
+    acc[acc_at:acc_at + D] = 0
+    m, s_sum = np.float32(-np.inf), np.float32(0.0)
+    for at in row_at:
+        score = _capped(_dot_f16(k, at, q, q_at, D) * scale, softcap)
+        if score > m:
+            ms = expf_exact(m - score)
+            m = score
+            _rescale_add_f16(acc, acc_at, v, at, ms, D)
+            s_sum = fma(s_sum, ms, np.float32(1.0))
+        else:
+            vs = expf_exact(score - m)
+            _mad_f16(acc, acc_at, v, at, vs, D)
+            s_sum = s_sum + vs
+    return m, s_sum
+
+
 @nb.njit(**_SER)
 def _one_chunk(q16, first, last, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, table, shift, kvh, window,
                scale, softcap, acc, m, s_sum):
     """Online softmax over cells [first, last) as ggml's one_chunk (newest: the batch's last
     position), for the G heads of q16 (G, D) (f16-rounded queries) that share KV head kvh. Head
     g's result: acc[g] (D,) the f16-rounded, unnormalized V sum, m[g] the running max, s_sum[g]
-    the sum. Each cell's K and V are read once for the G heads, whose steps are those of ggml
-    one head at a time. The sequence's n_slots slots are rows of kcache/vcache/kv_pos, through
-    its block table when paged (_row). The caches and buffers are used through flat views by
-    offset: a view per cell (kcache[slot, kvh]) would cost two atomic reference counts a cell."""
+    the sum. The visible cells are found once for the G heads; each head then walks them as ggml
+    does one head (heads_walk_f16). The sequence's n_slots slots are rows of kcache/vcache/kv_pos,
+    through its block table when paged (_row). The caches and buffers are used through flat
+    views by offset: a view per cell (kcache[slot, kvh]) would cost two atomic reference counts."""
     G, D = q16.shape
     P, H = kcache.shape[0], kcache.shape[1]
-    S = n_slots
     k, v = kcache.reshape(P * H * D), vcache.reshape(P * H * D)
     q, a = q16.reshape(G * D), acc.reshape(G * D)
-    a[:] = 0
-    m[:] = -np.inf
-    s_sum[:] = 0
-    ring_start = _ring_start(newest, n_keep, S)
-    end = min(last, pos + 1)
-    cell, row = _next_visible(max(first, _first_cell(pos, window)), end, pos, window, n_keep, ring_start, S, kv_pos,
-                              table, shift)
-    while row >= 0:
-        at = (row * H + kvh) * D
-        for g in range(G):
-            score = _capped(_dot_f16(k, at, q, g * D, D) * scale, softcap)
-            if score > m[g]:
-                ms = np.float32(math.exp(m[g] - score))
-                m[g] = score
-                _rescale_add_f16(a, g * D, v, at, ms, D)
-                s_sum[g] = fma(s_sum[g], ms, np.float32(1.0))
-            else:
-                vs = np.float32(math.exp(score - m[g]))
-                _mad_f16(a, g * D, v, at, vs, D)
-                s_sum[g] = s_sum[g] + vs
-        cell, row = _next_visible(cell + 1, end, pos, window, n_keep, ring_start, S, kv_pos, table, shift)
+    row_at = _visible_rows(max(first, _first_cell(pos, window)), min(last, pos + 1), pos, window, n_keep,
+                           _ring_start(newest, n_keep, n_slots), n_slots, kv_pos, table, shift, H * D, kvh * D)
+    if softcap == 0 and D % 32 == 0 and G * D <= WALK_MAX_VALUES:
+        # the common head sizes as constants: the walk's loops over D unroll (about 2x faster)
+        if D == 64:
+            heads_walk_f16(k, v, row_at, row_at.shape[0], q, scale, a, m, s_sum, 64)
+        elif D == 128:
+            heads_walk_f16(k, v, row_at, row_at.shape[0], q, scale, a, m, s_sum, 128)
+        elif D == 256:
+            heads_walk_f16(k, v, row_at, row_at.shape[0], q, scale, a, m, s_sum, 256)
+        else:
+            heads_walk_f16(k, v, row_at, row_at.shape[0], q, scale, a, m, s_sum, D)
+        return
+    for g in range(G):
+        m[g], s_sum[g] = _head_walk(k, v, row_at, q, g * D, scale, softcap, a, g * D, D)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
