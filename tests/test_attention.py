@@ -40,7 +40,7 @@ def _walk_both(kcache, vcache, row_at, q16, scale):
     A.heads_walk_f16(k, v, row_at, row_at.shape[0], q, scale, acc, m, s, D)
     ref_acc, ref_m, ref_s = np.empty(G * D, np.float32), np.empty(G, np.float32), np.empty(G, np.float32)
     for g in range(G):
-        ref_m[g], ref_s[g] = A._head_walk(k, v, row_at, q, g * D, scale, np.float32(0.0), ref_acc, g * D, D)
+        ref_m[g], ref_s[g] = A._head_walk(k, v, row_at * D, q, g * D, scale, np.float32(0.0), ref_acc, g * D, D)
     return acc, m, s, ref_acc, ref_m, ref_s
 
 
@@ -57,7 +57,7 @@ def test_walk_equals_ggmls_steps_one_cell_at_a_time(D, G, n_cells):
     vcache = (rng.standard_normal((rows, n_kv, D)) * 4).astype(np.float16)
     q16 = rng.standard_normal((G, D)).astype(np.float16).astype(np.float32)
     for kvh in range(n_kv):
-        row_at = (rng.permutation(rows)[:n_cells] * n_kv + kvh) * D
+        row_at = rng.permutation(rows)[:n_cells] * n_kv + kvh
         got = _walk_both(kcache.view(np.uint16), vcache.view(np.uint16), row_at.astype(np.int64), q16,
                          np.float32(1 / math.sqrt(D)))
         for ours, ref in zip(got[:3], got[3:]):

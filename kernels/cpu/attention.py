@@ -148,14 +148,15 @@ def _capped(score, softcap):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _visible_rows(first, end, pos, window, n_keep, ring_start, n_slots, kv_pos, table, shift, row_width, row_off):
-    """row * row_width + row_off for the cache row of each cell in [first, end) that a query at
-    pos sees, in cell order (the one-chunk walk's cells, looked up once for all its heads)."""
+def _visible_rows(first, end, pos, window, n_keep, ring_start, n_slots, kv_pos, table, shift, n_kv_heads, kvh):
+    """row * n_kv_heads + kvh (KV head kvh's row in the cache seen as (P * Hkv, ...)) for the
+    cache row of each cell in [first, end) that a query at pos sees, in cell order (the
+    one-chunk walk's cells, looked up once for all its heads)."""
     at = np.empty(max(0, end - first), np.int64)
     n = 0
     cell, row = _next_visible(first, end, pos, window, n_keep, ring_start, n_slots, kv_pos, table, shift)
     while row >= 0:
-        at[n] = row * row_width + row_off
+        at[n] = row * n_kv_heads + kvh
         n += 1
         cell, row = _next_visible(cell + 1, end, pos, window, n_keep, ring_start, n_slots, kv_pos, table, shift)
     return at[:n]
@@ -195,22 +196,22 @@ def _one_chunk(q16, first, last, pos, newest, n_keep, n_slots, kcache, vcache, k
     P, H = kcache.shape[0], kcache.shape[1]
     k, v = kcache.reshape(P * H * D), vcache.reshape(P * H * D)
     q, a = q16.reshape(G * D), acc.reshape(G * D)
-    row_at = _visible_rows(max(first, _first_cell(pos, window)), min(last, pos + 1), pos, window, n_keep,
-                           _ring_start(newest, n_keep, n_slots), n_slots, kv_pos, table, shift, H * D, kvh * D)
+    rows = _visible_rows(max(first, _first_cell(pos, window)), min(last, pos + 1), pos, window, n_keep,
+                         _ring_start(newest, n_keep, n_slots), n_slots, kv_pos, table, shift, H, kvh)
     if softcap == 0 and G * D <= WALK_MAX_VALUES:
         # the common head sizes, each as a constant: the walk's loops over D unroll (with D a
         # run-time value it was 1.4x slower); every copy costs compile time
         if D == 64:
-            heads_walk_f16(k, v, row_at, row_at.shape[0], q, scale, a, m, s_sum, 64)
+            heads_walk_f16(k, v, rows, rows.shape[0], q, scale, a, m, s_sum, 64)
             return
         if D == 128:
-            heads_walk_f16(k, v, row_at, row_at.shape[0], q, scale, a, m, s_sum, 128)
+            heads_walk_f16(k, v, rows, rows.shape[0], q, scale, a, m, s_sum, 128)
             return
         if D == 256:
-            heads_walk_f16(k, v, row_at, row_at.shape[0], q, scale, a, m, s_sum, 256)
+            heads_walk_f16(k, v, rows, rows.shape[0], q, scale, a, m, s_sum, 256)
             return
     for g in range(G):
-        m[g], s_sum[g] = _head_walk(k, v, row_at, q, g * D, scale, softcap, a, g * D, D)
+        m[g], s_sum[g] = _head_walk(k, v, rows * D, q, g * D, scale, softcap, a, g * D, D)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

@@ -18,7 +18,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .ops import GGML_AVX512
-from .simd import _F32X16, _I32, _fma, _halve, _load_f32x16, _ptr, _splat, open_loop
+from .simd import _F32X8, _F32X16, _I32, _block_codes, _fma, _halve, _load_f32x16, _ptr, _splat, _splat_n, open_loop
 
 _F64 = ir.DoubleType()
 _I64 = ir.IntType(64)
@@ -116,15 +116,110 @@ def _stack_floats(builder, count):
     return builder.bitcast(buf, _F32.as_pointer())
 
 
+class _Walk:
+    """The blocked walk of G heads over n cells, in LLVM code (heads_walk_f16 says why and
+    how); the cache's own steps are callbacks: widen_k(cell) and widen_v(cell) put a cell's K
+    and V row into k_row / v_row (float32), score(h) is head h's dot with the widened K row,
+    and f16_sums says whether the V sums are kept in float16 (F16 V) or float32."""
+
+    def __init__(self, context, builder, n, n_heads, dim):
+        self.context, self.builder, self.n, self.n_heads, self.dim = context, builder, n, n_heads, dim
+        self.n_vec = builder.sdiv(dim, self.c(16))
+        self.q_buf, self.sums, self.k_row, self.v_row = (_stack_floats(builder, WALK_MAX_VALUES) for _ in range(4))
+        # per (head, cell of the block): the score, then the cell's (ms, vs)
+        self.scores, self.ms_buf, self.vs_buf = (_stack_floats(builder, WALK_MAX_VALUES // 32 * _BLOCK)
+                                                 for _ in range(3))
+
+    def c(self, x):
+        return ir.Constant(self.n.type, x)
+
+    def vec(self, buf, at):
+        return self.builder.bitcast(self.builder.gep(buf, [at]), _F32X16.as_pointer())
+
+    def loop(self, count, body):
+        """for j in range(count): body(j)"""
+        j, _, finish = open_loop(self.builder, count, [])
+        body(j)
+        finish([])
+
+    def run(self, m_data, s_data, scale, widen_k, score, widen_v, f16_sums):
+        b, c = self.builder, self.c
+        mul, add = b.mul, b.add
+        f32 = lambda x: ir.Constant(_F32, x)  # noqa: E731
+        self.loop(mul(self.n_heads, self.n_vec),
+                  lambda j: b.store(ir.Constant(_F32X16, None), self.vec(self.sums, mul(j, c(16))), align=64))
+        self.loop(self.n_heads, lambda h: (b.store(f32(float("-inf")), b.gep(m_data, [h])),
+                                           b.store(f32(0.0), b.gep(s_data, [h]))))
+        blk, _, finish_blocks = open_loop(b, b.sdiv(add(self.n, c(_BLOCK - 1)), c(_BLOCK)), [])
+        first = mul(blk, c(_BLOCK))
+        size = b.select(b.icmp_signed("<", b.sub(self.n, first), c(_BLOCK)), b.sub(self.n, first), c(_BLOCK))
+        at = lambda h, i: add(mul(h, c(_BLOCK)), i)  # noqa: E731
+
+        def score_cell(i):
+            widen_k(add(first, i))
+            self.loop(self.n_heads, lambda h: b.store(b.fmul(score(h), scale), b.gep(self.scores, [at(h, i)])))
+
+        self.loop(size, score_cell)
+
+        def softmax_head(h):  # ggml's M and S, and each cell's (ms, vs)
+            i, (m_old, s_old), finish = open_loop(b, size, [b.load(b.gep(m_data, [h])), b.load(b.gep(s_data, [h]))])
+            cell_score = b.load(b.gep(self.scores, [at(h, i)]))
+            grows = b.fcmp_ordered(">", cell_score, m_old)
+            e = expf_ir(b, b.select(grows, b.fsub(m_old, cell_score), b.fsub(cell_score, m_old)))
+            ms, vs = b.select(grows, e, f32(1.0)), b.select(grows, f32(1.0), e)
+            b.store(ms, b.gep(self.ms_buf, [at(h, i)]))
+            b.store(vs, b.gep(self.vs_buf, [at(h, i)]))
+            fma32 = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
+            m_new, s_new = finish([b.select(grows, cell_score, m_old), b.call(fma32, [s_old, ms, vs])])
+            b.store(m_new, b.gep(m_data, [h]))
+            b.store(s_new, b.gep(s_data, [h]))
+
+        self.loop(self.n_heads, softmax_head)
+        rounded = (lambda x: _f16_round(b, x)) if f16_sums else (lambda x: x)  # noqa: E731
+
+        def sum_cell(i):
+            widen_v(add(first, i))
+
+            def head(h):
+                ms, vs = b.load(b.gep(self.ms_buf, [at(h, i)])), b.load(b.gep(self.vs_buf, [at(h, i)]))
+                sum_at = lambda j: self.vec(self.sums, add(mul(h, self.dim), mul(j, c(16))))  # noqa: E731
+                # a new maximum: the sum scaled (ggml_vec_scale_f16 / _f32); by 1 it is unchanged
+                with b.if_then(b.fcmp_unordered("!=", ms, f32(1.0)), likely=False):
+                    msv = _splat(b, ms, _F32X16)
+                    self.loop(self.n_vec, lambda j: b.store(rounded(b.fmul(b.load(sum_at(j), align=64), msv)),
+                                                            sum_at(j), align=64))
+                vsv = _splat(b, vs, _F32X16)
+                self.loop(self.n_vec, lambda j: b.store(  # ggml_vec_mad_f16 / _f32
+                    rounded(_fma(b, b.load(self.vec(self.v_row, mul(j, c(16))), align=64), vsv,
+                                 b.load(sum_at(j), align=64))), sum_at(j), align=64))
+
+            self.loop(self.n_heads, head)
+
+        self.loop(size, sum_cell)
+        finish_blocks([])
+
+    def sums_to(self, acc_t, acc_a):
+        """The V sums into the array acc (G * D,)."""
+        b, c = self.builder, self.c
+        self.loop(b.mul(self.n_heads, self.n_vec), lambda j: b.store(
+            b.load(self.vec(self.sums, b.mul(j, c(16))), align=64),
+            _ptr(self.context, b, acc_t, acc_a, b.mul(j, c(16)), _F32X16), align=4))
+
+
+def _data(context, builder, array_type, array):
+    return cgutils.create_struct_proxy(array_type)(context, builder, value=array).data
+
+
 @intrinsic
 def heads_walk_f16(typingctx, k, v, row_at, n, q, scale, acc, m, s, D):
     """ggml's one-chunk attention of G heads that share a KV head, over n cells: K and V of cell
-    i start at element row_at[i] of the flat f16 caches k and v (uint16); q (G * D,) the heads'
-    f16-rounded queries, D (the head dimension) a multiple of 32, G * D <= WALK_MAX_VALUES. Per
-    cell and head, as ggml_compute_forward_flash_attn_ext_f16_one_chunk: score = dot(K, q) *
-    scale; if score > M: ms = expf(M - score), M = score, the sum rescaled (acc = f16(acc * ms))
-    and vs = 1; else vs = expf(score - M); then acc = f16(fma(V, vs, acc)) and S = S * ms + vs.
-    Results: acc (G * D,) the f16-valued, unnormalized V sums, m and s (G,) each head's M and S.
+    i are row row_at[i] (row * Hkv + kvh) of the flat f16 caches k and v (uint16), D values each;
+    q (G * D,) the heads' f16-rounded queries, D (the head dimension) a multiple of 32,
+    G * D <= WALK_MAX_VALUES. Per cell and head, as ggml_compute_forward_flash_attn_ext_f16_one_chunk:
+    score = dot(K, q) * scale; if score > M: ms = expf(M - score), M = score, the sum rescaled
+    (acc = f16(acc * ms)) and vs = 1; else vs = expf(score - M); then acc = f16(fma(V, vs, acc))
+    and S = S * ms + vs. Results: acc (G * D,) the f16-valued, unnormalized V sums, m and s (G,)
+    each head's M and S.
 
     Done that way a cell at a time, each cell waits for the last (the dot, then expf, then the
     sum), so the cells go in blocks of _BLOCK, in three passes: every score of the block; each
@@ -136,101 +231,113 @@ def heads_walk_f16(typingctx, k, v, row_at, n, q, scale, acc, m, s, D):
     def codegen(context, builder, signature, args):
         k_a, v_a, at_a, n, q_a, scale, acc_a, m_a, s_a, dim = args
         k_t, v_t, at_t, _, q_t, _, acc_t, m_t, s_t, _ = signature.args
-        c = lambda x: ir.Constant(n.type, x)  # noqa: E731
-        f32 = lambda x: ir.Constant(_F32, x)  # noqa: E731
-        data = lambda t, a: cgutils.create_struct_proxy(t)(context, builder, value=a).data  # noqa: E731
-        m_data, s_data, at_data = data(m_t, m_a), data(s_t, s_a), data(at_t, at_a)
-        n_heads = builder.sdiv(cgutils.create_struct_proxy(q_t)(context, builder, value=q_a).nitems, dim)
-        n_vec = builder.sdiv(dim, c(16))
-        q_buf, sums, row = (_stack_floats(builder, WALK_MAX_VALUES), _stack_floats(builder, WALK_MAX_VALUES),
-                            _stack_floats(builder, WALK_MAX_VALUES))
-        # per (head, cell of the block): the score, then the cell's (ms, vs)
-        scores, ms_buf, vs_buf = (_stack_floats(builder, WALK_MAX_VALUES // 32 * _BLOCK) for _ in range(3))
-        vec = lambda buf, at: builder.bitcast(builder.gep(buf, [at]), _F32X16.as_pointer())  # noqa: E731
-        mul, add = builder.mul, builder.add
+        b = builder
+        n_heads = b.sdiv(cgutils.create_struct_proxy(q_t)(context, b, value=q_a).nitems, dim)
+        walk = _Walk(context, b, n, n_heads, dim)
+        c, at_data = walk.c, _data(context, b, at_t, at_a)
+        walk.loop(b.mul(n_heads, walk.n_vec), lambda j: b.store(  # the queries, aligned
+            _load_f32x16(context, b, q_t, q_a, b.mul(j, c(16))), walk.vec(walk.q_buf, b.mul(j, c(16))), align=64))
 
-        def loop(count, body):  # for j in range(count): body(j)
-            j, _, finish = open_loop(builder, count, [])
-            body(j)
-            finish([])
+        def widen(cache_t, cache_a, into):
+            def row(cell):  # a cell's f16 row as float32 (vcvtph2ps)
+                start = b.mul(b.load(b.gep(at_data, [cell])), dim)
+                walk.loop(walk.n_vec, lambda j: b.store(
+                    _load_f32x16(context, b, cache_t, cache_a, b.add(start, b.mul(j, c(16)))),
+                    walk.vec(into, b.mul(j, c(16))), align=64))
+            return row
 
-        def start(j):  # the queries into their buffer, the sums zero
-            builder.store(_load_f32x16(context, builder, q_t, q_a, mul(j, c(16))), vec(q_buf, mul(j, c(16))), align=64)
-            builder.store(ir.Constant(_F32X16, None), vec(sums, mul(j, c(16))), align=64)
+        walk.run(_data(context, b, m_t, m_a), _data(context, b, s_t, s_a), scale, widen(k_t, k_a, walk.k_row),
+                 lambda h: _dot(b, walk.k_row, walk.q_buf, b.mul(h, dim), dim), widen(v_t, v_a, walk.v_row), True)
+        walk.sums_to(acc_t, acc_a)
+        return context.get_dummy_value()
 
-        loop(mul(n_heads, n_vec), start)
-        loop(n_heads, lambda h: (builder.store(f32(float("-inf")), builder.gep(m_data, [h])),
-                                 builder.store(f32(0.0), builder.gep(s_data, [h]))))
+    return sig, codegen
 
-        def widen(cache_t, cache_a, cell):  # the cell's K or V row as float32 into `row`
-            at = builder.load(builder.gep(at_data, [cell]))
-            loop(n_vec, lambda j: builder.store(_load_f32x16(context, builder, cache_t, cache_a, add(at, mul(j, c(16)))),
-                                                vec(row, mul(j, c(16))), align=64))
 
-        blk, _, finish_blocks = open_loop(builder, builder.sdiv(add(n, c(_BLOCK - 1)), c(_BLOCK)), [])
-        first = mul(blk, c(_BLOCK))
-        size = builder.select(builder.icmp_signed("<", builder.sub(n, first), c(_BLOCK)), builder.sub(n, first), c(_BLOCK))
+# A q8_0 dot's lane l sums the products of codes 4l..4l+3 (ggml's AVX2 vec_dot). The walk keeps
+# a block's 32 codes lane-major, position 8j + l holding code 4l + j, so that the 8 lanes are
+# the sum of four aligned 8-wide pieces (the sums are of integers below 2^24: exact in any order).
+_LANE_MAJOR = [4 * (i % 8) + i // 8 for i in range(32)]
 
-        def prefetch(cell):  # the K and V rows of a cell of the next block, toward L1 (64-byte lines)
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [
-                ir.IntType(8).as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
-            with builder.if_then(builder.icmp_signed("<", cell, n)):
-                at = builder.load(builder.gep(at_data, [cell]))
-                for cache_t, cache_a in ((k_t, k_a), (v_t, v_a)):
-                    base = data(cache_t, cache_a)
-                    loop(builder.sdiv(dim, c(32)), lambda line: builder.call(fn, [
-                        builder.bitcast(builder.gep(base, [add(at, mul(line, c(32)))]), ir.IntType(8).as_pointer()),
-                        ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)]))
 
-        def score_cell(i):
-            prefetch(add(add(first, i), c(_BLOCK)))
-            widen(k_t, k_a, add(first, i))
-            loop(n_heads, lambda h: builder.store(builder.fmul(_dot(builder, row, q_buf, mul(h, dim), dim), scale),
-                                                  builder.gep(scores, [add(mul(h, c(_BLOCK)), i)])))
+def _lane_major(builder, codes):
+    return builder.shuffle_vector(codes, codes, ir.Constant(ir.VectorType(_I32, 32), _LANE_MAJOR))
 
-        loop(size, score_cell)
 
-        def softmax_head(h):  # ggml's M and S, and each cell's (ms, vs)
-            i, (m_old, s_old), finish = open_loop(builder, size, [builder.load(builder.gep(m_data, [h])),
-                                                                  builder.load(builder.gep(s_data, [h]))])
-            at = add(mul(h, c(_BLOCK)), i)
-            score = builder.load(builder.gep(scores, [at]))
-            grows = builder.fcmp_ordered(">", score, m_old)
-            e = expf_ir(builder, builder.select(grows, builder.fsub(m_old, score), builder.fsub(score, m_old)))
-            ms, vs = builder.select(grows, e, f32(1.0)), builder.select(grows, f32(1.0), e)
-            builder.store(ms, builder.gep(ms_buf, [at]))
-            builder.store(vs, builder.gep(vs_buf, [at]))
-            fma32 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
-            m_new, s_new = finish([builder.select(grows, score, m_old), builder.call(fma32, [s_old, ms, vs])])
-            builder.store(m_new, builder.gep(m_data, [h]))
-            builder.store(s_new, builder.gep(s_data, [h]))
+def _piece(builder, v, j):
+    """Lanes 8j..8j+7 of a 32-lane vector."""
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 8), list(range(8 * j, 8 * j + 8))))
 
-        loop(n_heads, softmax_head)
 
-        def sum_cell(i):
-            widen(v_t, v_a, add(first, i))
+@intrinsic
+def heads_walk_q(typingctx, kcache, vcache, row_at, n, qq, qd, scale, acc, m, s, D, k_q8, v_q8):
+    """The walk of heads_walk_f16 over a quantized cache (attention_q.py): row row_at[i] of the
+    flat uint8 caches holds D/32 blocks of q8_0 (k_q8 / v_q8) or q4_0; qq (G * D,) the heads'
+    q8_0 query codes as floats, qd (G * D/32,) their block scales. Per cell and head, as ggml
+    with a quantized K or V: score = ggml_vec_dot_{q8_0,q4_0}_q8_0 (8 lanes each summing 4
+    code products, exact; per block fma(d_k * d_q, sum, lane); then hsum_float_8) * scale; the
+    softmax as heads_walk_f16's; the V sum in float32: a new maximum gives acc * ms (rounded)
+    + V, else fma(V, vs, acc). Results as heads_walk_f16's (acc in float32)."""
+    sig = types.void(kcache, vcache, row_at, types.intp, qq, qd, types.float32, acc, m, s, types.intp,
+                     types.boolean, types.boolean)
 
-            def head(h):
-                at = add(mul(h, c(_BLOCK)), i)
-                ms, vs = builder.load(builder.gep(ms_buf, [at])), builder.load(builder.gep(vs_buf, [at]))
-                sum_at = lambda j: vec(sums, add(mul(h, dim), mul(j, c(16))))  # noqa: E731
-                # ggml_vec_scale_f16 when the maximum grew (f16(acc * 1) is acc: skipped)
-                with builder.if_then(builder.fcmp_unordered("!=", ms, f32(1.0)), likely=False):
-                    msv = _splat(builder, ms, _F32X16)
-                    loop(n_vec, lambda j: builder.store(
-                        _f16_round(builder, builder.fmul(builder.load(sum_at(j), align=64), msv)), sum_at(j), align=64))
-                vsv = _splat(builder, vs, _F32X16)
-                loop(n_vec, lambda j: builder.store(  # ggml_vec_mad_f16
-                    _f16_round(builder, _fma(builder, builder.load(vec(row, mul(j, c(16))), align=64), vsv,
-                                             builder.load(sum_at(j), align=64))), sum_at(j), align=64))
+    def codegen(context, builder, signature, args):
+        k_a, v_a, at_a, n, qq_a, qd_a, scale, acc_a, m_a, s_a, dim, k_q8, v_q8 = args
+        k_t, v_t, at_t, _, qq_t, qd_t, _, acc_t, m_t, s_t = signature.args[:10]
+        b = builder
+        n_heads = b.sdiv(cgutils.create_struct_proxy(qq_t)(context, b, value=qq_a).nitems, dim)
+        walk = _Walk(context, b, n, n_heads, dim)
+        c, at_data = walk.c, _data(context, b, at_t, at_a)
+        n_blocks = b.sdiv(dim, c(32))
+        k_scales, q_scales = _stack_floats(b, WALK_MAX_VALUES // 32), _stack_floats(b, WALK_MAX_VALUES // 32)
+        f32x32 = ir.VectorType(_F32, 32).as_pointer()
+        qq_data = _data(context, b, qq_t, qq_a)
+        walk.loop(b.mul(n_heads, n_blocks), lambda j: b.store(  # the query codes, lane-major
+            _lane_major(b, b.load(b.bitcast(b.gep(qq_data, [b.mul(j, c(32))]), f32x32), align=4)),
+            b.bitcast(b.gep(walk.q_buf, [b.mul(j, c(32))]), f32x32), align=64))
+        qd_data = _data(context, b, qd_t, qd_a)
+        walk.loop(b.mul(n_heads, n_blocks), lambda j: b.store(b.load(b.gep(qd_data, [j])), b.gep(q_scales, [j])))
 
-            loop(n_heads, head)
+        def widen(cache_t, cache_a, q8, into, scales):
+            data = _data(context, b, cache_t, cache_a)
 
-        loop(size, sum_cell)
-        finish_blocks([])
-        loop(mul(n_heads, n_vec), lambda j: builder.store(
-            builder.load(vec(sums, mul(j, c(16))), align=64),
-            _ptr(context, builder, acc_t, acc_a, mul(j, c(16)), _F32X16), align=4))
+            def row(cell):  # a cell's blocks: codes (times the block scale for V) and scales
+                def block(bi):
+                    block_bytes = b.select(q8, c(34), c(18))
+                    start = b.mul(b.load(b.gep(at_data, [cell])), b.mul(n_blocks, block_bytes))
+                    at = b.add(start, b.mul(bi, block_bytes))
+                    scale_bits = b.load(b.bitcast(b.gep(data, [at]), ir.IntType(16).as_pointer()), align=1)
+                    d = b.fpext(b.bitcast(scale_bits, ir.HalfType()), _F32)
+                    dest = b.bitcast(b.gep(into, [b.mul(bi, c(32))]), f32x32)
+                    with b.if_else(q8) as (q8_block, q4_block):
+                        for is_q4, branch in ((False, q8_block), (True, q4_block)):
+                            with branch:
+                                codes = _block_codes(b, data, b.add(at, c(2)), is_q4)
+                                if scales is not None:  # K: the codes, lane-major
+                                    b.store(_lane_major(b, codes), dest, align=64)
+                                else:  # V: the values, in order
+                                    b.store(b.fmul(codes, _splat_n(b, d, 32)), dest, align=64)
+                    if scales is not None:
+                        b.store(d, b.gep(scales, [bi]))
+                walk.loop(n_blocks, block)
+            return row
+
+        def score(h):  # ggml_vec_dot_q8_0_q8_0 / _q4_0_q8_0 (AVX2), as simd.dot_q_lanes
+            fma8 = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32X8, [_F32X8] * 3), "llvm.fma.v8f32")
+            bi, (lanes,), finish = open_loop(b, n_blocks, [ir.Constant(_F32X8, None)])
+            kv = b.load(b.bitcast(b.gep(walk.k_row, [b.mul(bi, c(32))]), f32x32), align=64)
+            qv = b.load(b.bitcast(b.gep(walk.q_buf, [b.add(b.mul(h, dim), b.mul(bi, c(32)))]), f32x32), align=64)
+            p = b.fmul(kv, qv)
+            sums = b.fadd(b.fadd(_piece(b, p, 0), _piece(b, p, 1)), b.fadd(_piece(b, p, 2), _piece(b, p, 3)))
+            dd = b.fmul(b.load(b.gep(k_scales, [bi])), b.load(b.gep(q_scales, [b.add(b.mul(h, n_blocks), bi)])))
+            (lanes,) = finish([b.call(fma8, [_splat_n(b, dd, 8), sums, lanes])])
+            lane = lambda j: b.extract_element(lanes, ir.Constant(_I32, j))  # noqa: E731
+            return b.fadd(b.fadd(b.fadd(lane(4), lane(0)), b.fadd(lane(6), lane(2))),
+                          b.fadd(b.fadd(lane(5), lane(1)), b.fadd(lane(7), lane(3))))
+
+        walk.run(_data(context, b, m_t, m_a), _data(context, b, s_t, s_a), scale,
+                 widen(k_t, k_a, k_q8, walk.k_row, k_scales), score, widen(v_t, v_a, v_q8, walk.v_row, None), False)
+        walk.sums_to(acc_t, acc_a)
         return context.get_dummy_value()
 
     return sig, codegen
