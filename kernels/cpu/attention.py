@@ -26,7 +26,7 @@ import numpy as np
 
 from .f16 import f16_round, f16_round_finite, f16_value
 from .fma import fma
-from .head_walk import WALK_MAX_VALUES, expf_exact, heads_walk_f16
+from .head_walk import expf_exact, heads_walk_f16, walk_fits
 from .ops import GGML_AVX512, v_expf_avx2
 from .simd import dot_f16_32, dot_f16_64, f16_mad_rows, f16_rescale_add_rows, fma_chain_64, fma_chains_64x2, v_expf_rows
 
@@ -198,7 +198,7 @@ def _one_chunk(q16, first, last, pos, newest, n_keep, n_slots, kcache, vcache, k
     q, a = q16.reshape(G * D), acc.reshape(G * D)
     rows = _visible_rows(max(first, _first_cell(pos, window)), min(last, pos + 1), pos, window, n_keep,
                          _ring_start(newest, n_keep, n_slots), n_slots, kv_pos, table, shift, H, kvh)
-    if softcap == 0 and G * D <= WALK_MAX_VALUES:
+    if softcap == 0 and walk_fits(G, D):
         # the common head sizes, each as a constant: the walk's loops over D unroll (with D a
         # run-time value it was 1.4x slower); every copy costs compile time
         if D == 64:

@@ -30,7 +30,7 @@ import numpy as np
 from .attention import _NO_TABLE, _capped, _first_cell, _heads_per_job, _next_visible, _ring_start, _visible_rows
 from .f16 import f16_bits, f16_round
 from .fma import fma
-from .head_walk import WALK_MAX_VALUES, heads_walk_q
+from .head_walk import heads_walk_q, walk_fits
 from .quantize_scalar import _block_q4_0
 from .simd import dot_q_lanes, f32_mad_16, f32_rescale_add_16, unpack_q4_0_codes, unpack_q8_0_codes
 from .unpack import F16_TO_F32
@@ -175,7 +175,7 @@ def _one_chunk_q(qq, qd, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, t
     G, D = qq.shape
     k_q8 = kv_type_of(kcache.shape[2], D) == KV_Q8_0
     v_q8 = kv_type_of(vcache.shape[2], D) == KV_Q8_0
-    if softcap == 0 and G * D <= WALK_MAX_VALUES:
+    if softcap == 0 and walk_fits(G, D):
         rows = _visible_rows(_first_cell(pos, window), pos + 1, pos, window, n_keep, _ring_start(newest, n_keep, n_slots),
                              n_slots, kv_pos, table, shift, kcache.shape[1], kvh)
         sums, m_w, s_w = np.empty(G * D, np.float32), np.empty(G, np.float32), np.empty(G, np.float32)

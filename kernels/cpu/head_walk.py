@@ -12,6 +12,7 @@ tests/test_attention.py samples it against math.exp): attention's exponents are 
 import struct
 from decimal import Decimal, localcontext
 
+import numba as nb
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -102,8 +103,17 @@ def _f16_round(builder, x):
     return builder.fpext(builder.fptrunc(x, ir.VectorType(ir.HalfType(), 16)), _F32X16)
 
 
-WALK_MAX_VALUES = 2048  # G * D of one walk: its queries and sums live in aligned stack buffers
+# One walk's buffers are on the stack (aligned, sized for the most it takes): G heads of D values
+WALK_MAX_VALUES = 2048  # G * D: the queries and the sums
+_MAX_HEADS = 16         # G: scores, ms and vs for each head and cell of a block
+_MAX_DIM = 512          # D: the cell's widened K and V rows
 _BLOCK = 32             # cells a walk takes a phase at a time
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def walk_fits(G, D):
+    """Whether a walk takes G heads of size D (else callers take the steps in Numba code)."""
+    return G <= _MAX_HEADS and D <= _MAX_DIM and G * D <= WALK_MAX_VALUES and D % 32 == 0
 
 
 def _stack_floats(builder, count):
@@ -125,10 +135,10 @@ class _Walk:
     def __init__(self, context, builder, n, n_heads, dim):
         self.context, self.builder, self.n, self.n_heads, self.dim = context, builder, n, n_heads, dim
         self.n_vec = builder.sdiv(dim, self.c(16))
-        self.q_buf, self.sums, self.k_row, self.v_row = (_stack_floats(builder, WALK_MAX_VALUES) for _ in range(4))
+        self.q_buf, self.sums = _stack_floats(builder, WALK_MAX_VALUES), _stack_floats(builder, WALK_MAX_VALUES)
+        self.k_row, self.v_row = _stack_floats(builder, _MAX_DIM), _stack_floats(builder, _MAX_DIM)
         # per (head, cell of the block): the score, then the cell's (ms, vs)
-        self.scores, self.ms_buf, self.vs_buf = (_stack_floats(builder, WALK_MAX_VALUES // 32 * _BLOCK)
-                                                 for _ in range(3))
+        self.scores, self.ms_buf, self.vs_buf = (_stack_floats(builder, _MAX_HEADS * _BLOCK) for _ in range(3))
 
     def c(self, x):
         return ir.Constant(self.n.type, x)
@@ -214,8 +224,8 @@ def _data(context, builder, array_type, array):
 def heads_walk_f16(typingctx, k, v, row_at, n, q, scale, acc, m, s, D):
     """ggml's one-chunk attention of G heads that share a KV head, over n cells: K and V of cell
     i are row row_at[i] (row * Hkv + kvh) of the flat f16 caches k and v (uint16), D values each;
-    q (G * D,) the heads' f16-rounded queries, D (the head dimension) a multiple of 32,
-    G * D <= WALK_MAX_VALUES. Per cell and head, as ggml_compute_forward_flash_attn_ext_f16_one_chunk:
+    q (G * D,) the heads' f16-rounded queries (G heads of D values: walk_fits(G, D)). Per cell
+    and head, as ggml_compute_forward_flash_attn_ext_f16_one_chunk:
     score = dot(K, q) * scale; if score > M: ms = expf(M - score), M = score, the sum rescaled
     (acc = f16(acc * ms)) and vs = 1; else vs = expf(score - M); then acc = f16(fma(V, vs, acc))
     and S = S * ms + vs. Results: acc (G * D,) the f16-valued, unnormalized V sums, m and s (G,)
@@ -289,7 +299,7 @@ def heads_walk_q(typingctx, kcache, vcache, row_at, n, qq, qd, scale, acc, m, s,
         walk = _Walk(context, b, n, n_heads, dim)
         c, at_data = walk.c, _data(context, b, at_t, at_a)
         n_blocks = b.sdiv(dim, c(32))
-        k_scales, q_scales = _stack_floats(b, WALK_MAX_VALUES // 32), _stack_floats(b, WALK_MAX_VALUES // 32)
+        k_scales, q_scales = _stack_floats(b, _MAX_DIM // 32), _stack_floats(b, WALK_MAX_VALUES // 32)
         f32x32 = ir.VectorType(_F32, 32).as_pointer()
         qq_data = _data(context, b, qq_t, qq_a)
         walk.loop(b.mul(n_heads, n_blocks), lambda j: b.store(  # the query codes, lane-major
