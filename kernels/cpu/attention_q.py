@@ -186,7 +186,7 @@ def _one_chunk_q(qq, qd, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, t
             for d in range(D):
                 out[t, (h0 + g) * D + d] = sums[g * D + d] * inv
         return
-    # soft-capping (Gemma 2): the same steps in Numba code, a cell at a time
+    # soft-capping (Gemma 2), or a group larger than the walk takes: the same steps, a cell at a time
     kc, vrow = np.empty(D, np.float32), np.empty(D, np.float32)   # a cell's K codes, V values
     kd, vd = np.empty(D // 32, np.float32), np.empty(D // 32, np.float32)
     acc = np.zeros((G, D), np.float32)
