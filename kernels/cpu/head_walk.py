@@ -1,8 +1,9 @@
-"""One head's walk over its cells with an F16 cache (ggml's one-chunk attention), as one LLVM
-loop: per cell the f16 dot of K and the query, glibc's expf written out in line, the V sum kept
-in float16. Written as Numba code, each cell paid a call to libm's expf (with every vector
-register saved around it) and a generic loop body: 27.5 ns a head and cell here, against
-about 10 written this way (docs/performance.md).
+"""ggml's one-chunk attention of a group of heads over their cells, as one LLVM loop: the F16
+cache's (heads_walk_f16) and the q8_0/q4_0 cache's (heads_walk_q). Written cell by cell in Numba
+code, each cell called libm's expf (with every vector register saved around it) and waited on
+the last; here glibc's expf is in line and the cells go in blocks of 32, in three passes (all
+scores; each head's softmax; the V sums). SmolLM2's heads: 27.5 -> 13-15 ns a cell and head on
+one thread (docs/performance.md).
 
 glibc's expf (sysdeps/ieee754/flt-32/e_expf.c, the FMA build x86-64 selects) computes in double:
 x = (k + r) ln2 / 32 with k an integer, 2^(k/32) from a 32-entry table and 2^(r/32) by a cubic.
