@@ -176,8 +176,9 @@ def _one_chunk_q(qq, qd, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, t
     k_q8 = kv_type_of(kcache.shape[2], D) == KV_Q8_0
     v_q8 = kv_type_of(vcache.shape[2], D) == KV_Q8_0
     if softcap == 0 and walk_fits(G, D):
-        rows = _visible_rows(_first_cell(pos, window), pos + 1, pos, window, n_keep, _ring_start(newest, n_keep, n_slots),
-                             n_slots, kv_pos, table, shift, kcache.shape[1], kvh)
+        ring_start = _ring_start(newest, n_keep, n_slots)
+        rows = _visible_rows(_first_cell(pos, window), pos + 1, pos, window, n_keep, ring_start, n_slots, kv_pos, table,
+                             shift, kcache.shape[1], kvh)
         sums, m_w, s_w = np.empty(G * D, np.float32), np.empty(G, np.float32), np.empty(G, np.float32)
         heads_walk_q(kcache.reshape(kcache.size), vcache.reshape(vcache.size), rows, rows.shape[0], qq.reshape(G * D),
                      qd.reshape(qd.size), scale, sums, m_w, s_w, D, k_q8, v_q8)

@@ -358,7 +358,10 @@ def _dot(builder, k, q, q_at, dim):
     """ggml_vec_dot_f16 of the dim floats at k (a widened K row) and at q + q_at: the SIMD steps
     in float32 (_dot_reduce), the rest (dim % _DOT_STEP) added in double, in order."""
     c = lambda x: ir.Constant(dim.type, x)  # noqa: E731
-    vec = lambda buf, at: builder.load(builder.bitcast(builder.gep(buf, [at]), _F32X16.as_pointer()), align=64)  # noqa: E731
+
+    def vec(buf, at):
+        return builder.load(builder.bitcast(builder.gep(buf, [at]), _F32X16.as_pointer()), align=64)
+
     n_steps = builder.sdiv(dim, c(_DOT_STEP))
     step, accs, finish = open_loop(builder, n_steps, [ir.Constant(_F32X16, None)] * (_DOT_STEP // 16))
     base = builder.mul(step, c(_DOT_STEP))
