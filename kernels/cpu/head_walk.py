@@ -20,7 +20,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .ops import GGML_AVX512
-from .simd import _F32X8, _F32X16, _I32, _block_codes, _fma, _halve, _load_f32x16, _ptr, _splat, _splat_n, open_loop
+from .simd import _F32X8, _F32X16, _I32, _block_codes, _f16_round, _fma, _halve, _load_f32x16, _ptr, _splat, _splat_n, open_loop
 
 _F64 = ir.DoubleType()
 _I64 = ir.IntType(64)
@@ -98,10 +98,6 @@ def _dot_reduce(builder, accs):
         return builder.fadd(builder.fadd(lane(s4, 0), lane(s4, 2)), builder.fadd(lane(s4, 1), lane(s4, 3)))
     s4 = _halve(builder, _halve(builder, builder.fadd(accs[0], accs[1]), 8), 4)
     return builder.fadd(builder.fadd(lane(s4, 0), lane(s4, 1)), builder.fadd(lane(s4, 2), lane(s4, 3)))
-
-
-def _f16_round(builder, x):
-    return builder.fpext(builder.fptrunc(x, ir.VectorType(ir.HalfType(), 16)), _F32X16)
 
 
 # One walk's buffers are on the stack (aligned, sized for the most it takes): G heads of D values
