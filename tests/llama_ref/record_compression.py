@@ -10,7 +10,7 @@
   llama-perplexity's PPL of it with the same text and protocol.
 
 The logits, and so the base file and the statistics, are those of ggml's build for this CPU
-(AVX2 or AVX-512); the JSON says which."""
+(AVX2 or AVX-512): they go under that build's key, next to those of the other kind of CPU."""
 from __future__ import annotations
 
 import hashlib
@@ -52,16 +52,18 @@ def main(bin_dir: str) -> None:
         run(bins / "llama-quantize", "--prune-layers", PRUNE, tmp / "f16.gguf", tmp / "pruned.gguf", "Q4_K_M", "2")
         out = run(bins / "llama-perplexity", "-m", tmp / "pruned.gguf", *ppl_args)
         pruned_ppl = float(re.findall(r"\[\d+\]([\d.]+)", out)[-1])
-        record = {
-            "_source": "llama.cpp b11434 llama-quantize and llama-perplexity, tests/llama_ref/record_compression.py",
-            "n_ctx": N_CTX, "n_chunks": N_CHUNKS,
+        figures = {
             "kld": {"base_sha256": sha256(tmp / "base.kld"), "base_ppl": base_ppl, "report": stats},
             "prune": {"layers": PRUNE, "type": "Q4_K_M", "sha256": sha256(tmp / "pruned.gguf"), "ppl": pruned_ppl},
         }
     from minillm.kernels.cpu.ops import GGML_AVX512  # the build of ggml llama.cpp ran (this CPU's)
 
-    record["ggml_build"] = "avx512" if GGML_AVX512 else "avx2"
-    (DATA / "compression_reference.json").write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    path = DATA / "compression_reference.json"
+    record = json.loads(path.read_text()) if path.exists() else {"builds": {}}
+    record.update({"_source": "llama.cpp b11434 llama-quantize and llama-perplexity, "
+                              "tests/llama_ref/record_compression.py", "n_ctx": N_CTX, "n_chunks": N_CHUNKS})
+    record["builds"]["avx512" if GGML_AVX512 else "avx2"] = figures   # next to the other kind of CPU's
+    path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
     print(json.dumps(record, indent=1, ensure_ascii=False))
 
 

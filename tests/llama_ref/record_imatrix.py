@@ -78,11 +78,12 @@ def main(bin_dir: str) -> None:
             quants.append({"args": args, "sha256": sha256(tmp / "out.gguf")})
     from minillm.kernels.cpu.ops import GGML_AVX512
 
-    record = {"_source": "llama.cpp b11434 llama-imatrix and llama-quantize, tests/llama_ref/record_imatrix.py",
-              "ggml_build": "avx512" if GGML_AVX512 else "avx2", "text": TEXT, "n_ctx": N_CTX,
-              "n_chunks": N_CHUNKS, "imatrix": runs, "quantize": quants}
-    (ROOT / "tests" / "data" / "imatrix_reference.json").write_text(json.dumps(record, indent=1) + "\n")
-
+    path = ROOT / "tests" / "data" / "imatrix_reference.json"
+    record = json.loads(path.read_text()) if path.exists() else {"builds": {}}
+    record.update({"_source": "llama.cpp b11434 llama-imatrix and llama-quantize, tests/llama_ref/record_imatrix.py",
+                   "text": TEXT, "n_ctx": N_CTX, "n_chunks": N_CHUNKS, "quantize": quants})
+    record["builds"]["avx512" if GGML_AVX512 else "avx2"] = {"imatrix": runs}  # next to the other CPU kind's
+    path.write_text(json.dumps(record, indent=1) + "\n")
 
 if __name__ == "__main__":
     main(sys.argv[1])

@@ -5,7 +5,8 @@ tests/data/kv_cache_reference.json (run from the repository root, after build.sh
 
 Per model and cache type: the prompt ids (a prompt batch, then single tokens), and for the
 logits after the batch and after each single token the sha256 of the float32 row and its ten
-largest entries. The logits are those of ggml's build for this CPU; the JSON says which."""
+largest entries. The logits are those of ggml's build for this CPU (AVX2 or AVX-512, which round
+differently): they go under that build's key, next to those recorded on the other kind of CPU."""
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,7 @@ N_SINGLE = 8
 def main(workdir: str) -> None:
     import minillm
 
-    record = {"_source": "llama.cpp b11434 (tests/llama_ref/dump.cpp, DUMP_CTK/DUMP_CTV), 2 threads",
-              "n_single": N_SINGLE, "cases": {}}
+    cases = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, path in MODELS.items():
             ids = minillm.load(path).tokenize(TEXT)
@@ -42,7 +42,7 @@ def main(workdir: str) -> None:
                                env=env, check=True, capture_output=True)
                 logits = np.fromfile(f"{tmp}/out.logits", np.float32).reshape(N_SINGLE + 1, -1)
                 top = np.argsort(-logits, axis=1, kind="stable")[:, :10]
-                record["cases"][f"{name}/{cache_type}"] = {
+                cases[f"{name}/{cache_type}"] = {
                     "ids": [int(i) for i in ids], "n_prompt": n_prompt,
                     "sha256": [hashlib.sha256(row.tobytes()).hexdigest() for row in logits],
                     "top": [[[int(i), float(row[i])] for i in order] for row, order in zip(logits, top)],
@@ -50,8 +50,11 @@ def main(workdir: str) -> None:
                 print(f"{name} {cache_type}: {n_prompt} prompt tokens + {N_SINGLE}")
     from minillm.kernels.cpu.ops import GGML_AVX512  # the build of ggml llama.cpp ran (this CPU's)
 
-    record["ggml_build"] = "avx512" if GGML_AVX512 else "avx2"
     out = ROOT / "tests" / "data" / "kv_cache_reference.json"
+    record = json.loads(out.read_text()) if out.exists() else {"builds": {}}
+    record.update({"_source": "llama.cpp b11434 (tests/llama_ref/dump.cpp, DUMP_CTK/DUMP_CTV), 2 threads",
+                   "n_single": N_SINGLE})
+    record["builds"]["avx512" if GGML_AVX512 else "avx2"] = cases
     out.write_text(json.dumps(record) + "\n")
     print(f"wrote {out}")
 
