@@ -215,16 +215,6 @@ def _one_chunk(q16, first, last, pos, newest, n_keep, n_slots, kcache, vcache, k
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _heads_per_job(n_jobs_of_one, group):
-    """How many heads of a KV head's group one job takes: the most that still leaves at least
-    a job per thread (shared K/V reads against idle threads)."""
-    per = group
-    while per > 1 and (group % per or n_jobs_of_one // per < SPLIT_PARTS):
-        per -= 1
-    return per
-
-
-@nb.njit(inline="always", cache=True, nogil=True)
 def _queries_f16(q, t, h0, G, D):
     """The f16-rounded queries of heads h0..h0+G-1 of token t: (G, D)."""
     q16 = np.empty((G, D), np.float32)
@@ -234,62 +224,137 @@ def _queries_f16(q, t, h0, G, D):
     return q16
 
 
-@nb.njit(**_PAR)
-def _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, softcap, n_heads, out):
-    T = q.shape[0]
-    D = kcache.shape[2]
-    group = n_heads // kcache.shape[1]
-    G = _heads_per_job(T * n_heads, group)
-    n_sets = n_heads // G
-    no_table = np.zeros(0, np.int64)
-    for job in nb.prange(T * n_sets):
-        t, h0 = job // n_sets, (job % n_sets) * G
-        acc = np.empty((G, D), np.float32)
-        m = np.empty(G, np.float32)
-        s_sum = np.empty(G, np.float32)
-        _one_chunk(_queries_f16(q, t, h0, G, D), np.int64(0), n_cells, q_pos[t], q_pos[-1], n_keep, kcache.shape[0],
-                   kcache, vcache, kv_pos, no_table, np.int64(-1), h0 // group, window, scale, softcap, acc, m, s_sum)
-        for g in range(G):
-            inv = np.float32(1.0) / s_sum[g] if s_sum[g] != 0 else np.float32(0.0)
-            for d in range(D):
-                out[t, (h0 + g) * D + d] = acc[g, d] * inv
+@nb.njit(inline="always", cache=True, nogil=True)
+def _run_cells(pos, part, parts):
+    """Cells [first, last) of run `part` of the `parts` equal runs that a query at pos's padded
+    cells are cut into (parts 1: all of them)."""
+    n_cells = (pos + KV_PAD) // KV_PAD * KV_PAD  # llama.cpp's cells: positions so far, padded
+    run = (n_cells + parts - 1) // parts
+    return part * run, min((part + 1) * run, n_cells)
+
+
+@nb.njit(cache=True, nogil=True)
+def head_jobs(units, q_pos, window, n_slots, n_heads, group, max_heads, n_jobs):
+    """Share out the (unit, head) pairs, unit-major, as n_jobs contiguous runs of about equal
+    work (a head of a unit costs the cells the unit visits): each thread gets one run, wherever
+    it falls, so 9 heads make 5 + 4 rather than 3 jobs of 3 for 2 threads. Each run is cut into
+    pieces within one KV head's group (a piece's heads share one walk over the cells) of at
+    most max_heads heads. units (U, 3): (row t, run, runs); returns pieces (N, 3) of (unit,
+    first head, heads) and starts (n_jobs + 1,): job j's pieces are pieces[starts[j]:starts[j + 1]]."""
+    U = units.shape[0]
+    cost = np.empty(U, np.float64)
+    for u in range(U):
+        pos = q_pos[units[u, 0]]
+        first, last = _run_cells(pos, units[u, 1], units[u, 2])
+        cells = min(last, pos + 1) - max(first, _first_cell(pos, window))
+        cost[u] = min(max(cells, 0), n_slots) + 16.0  # + a piece's own steps
+    share = cost.sum() * n_heads / n_jobs
+    bounds = np.empty(n_jobs + 1, np.int64)  # each job's first (unit, head) pair
+    bounds[0], j, done = 0, 1, 0.0
+    for i in range(U * n_heads):
+        c = cost[i // n_heads]
+        while j < n_jobs and done + c / 2 >= share * j:
+            bounds[j] = i
+            j += 1
+        done += c
+    bounds[j:] = U * n_heads
+    pieces = np.empty((U * n_heads, 3), np.int64)
+    starts = np.empty(n_jobs + 1, np.int64)
+    n = 0
+    for job in range(n_jobs):
+        starts[job] = n
+        i = bounds[job]
+        while i < bounds[job + 1]:
+            u, h = i // n_heads, i % n_heads
+            end = min(bounds[job + 1], u * n_heads + (h // group + 1) * group, i + max_heads)
+            pieces[n, 0], pieces[n, 1], pieces[n, 2] = u, h, end - i
+            n += 1
+            i = end
+    starts[n_jobs] = n
+    return pieces, starts
+
+
+@nb.njit(cache=True, nogil=True)
+def whole_rows(T):
+    """head_jobs' units for T rows of one run each (a function of its own: in a parallel
+    function, array expressions become parallel loops of their own)."""
+    units = np.zeros((T, 3), np.int64)
+    for t in range(T):
+        units[t, 0], units[t, 2] = t, 1
+    return units
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def walk_heads(group, D):
+    """The most heads of a group one walk takes."""
+    G = group
+    while G > 1 and not walk_fits(G, D):
+        G -= 1
+    return G
 
 
 @nb.njit(**_PAR)
-def _split_runs(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, softcap, n_heads, n_parts,
-                acc, m, s_sum):
-    """Each run of cells (n_parts equal runs) as a one-chunk pass, for each head: acc (n_parts,
-    H, D), m and s_sum (n_parts, H); a job takes one run and some heads of one KV head."""
+def _unit_runs(q, q_pos, units, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale,
+               softcap, n_heads, acc, m, s_sum):
+    """The one-chunk passes of units (U, 3) (row t, run, runs: t's cells cut into that many
+    runs): acc (T, P, H, D), m and s_sum (T, P, H). Rows read their sequence's cells through
+    tables[row_seq[t]], or (row_seq empty) the cache's own slots, as one batch."""
     D = kcache.shape[2]
     group = n_heads // kcache.shape[1]
-    G = _heads_per_job(n_parts * n_heads, group)
-    n_sets = n_heads // G
-    run = (n_cells + n_parts - 1) // n_parts
+    pieces, starts = head_jobs(units, q_pos, window, n_slots, n_heads, group, walk_heads(group, D), SPLIT_PARTS)
+    own = row_seq.shape[0] == 0
     no_table = np.zeros(0, np.int64)
-    for job in nb.prange(n_parts * n_sets):
-        part, h0 = job // n_sets, (job % n_sets) * G
-        if part * run >= n_cells:
-            s_sum[part, h0:h0 + G] = 0
-            continue
-        acc_j = np.empty((G, D), np.float32)
-        m_j = np.empty(G, np.float32)
-        s_j = np.empty(G, np.float32)
-        _one_chunk(_queries_f16(q, 0, h0, G, D), part * run, (part + 1) * run, q_pos[0], q_pos[0], n_keep,
-                   kcache.shape[0], kcache, vcache, kv_pos, no_table, np.int64(-1), h0 // group, window, scale, softcap, acc_j, m_j, s_j)
-        acc[part, h0:h0 + G] = acc_j
-        m[part, h0:h0 + G] = m_j
-        s_sum[part, h0:h0 + G] = s_j
+    for job in nb.prange(SPLIT_PARTS):
+        for p in range(starts[job], starts[job + 1]):
+            u, h0, G = pieces[p, 0], pieces[p, 1], pieces[p, 2]
+            t, part = units[u, 0], units[u, 1]
+            pos = q_pos[t]
+            first, last = _run_cells(pos, part, units[u, 2])
+            if first >= last:
+                s_sum[t, part, h0:h0 + G] = 0
+                continue
+            acc_j = np.empty((G, D), np.float32)
+            m_j = np.empty(G, np.float32)
+            s_j = np.empty(G, np.float32)
+            table = no_table if own else tables[row_seq[t]]
+            _one_chunk(_queries_f16(q, t, h0, G, D), first, last, pos, q_pos[-1] if own else pos, n_keep, n_slots,
+                       kcache, vcache, kv_pos, table, np.int64(-1) if own else shift, h0 // group, window, scale,
+                       softcap, acc_j, m_j, s_j)
+            acc[t, part, h0:h0 + G] = acc_j
+            m[t, part, h0:h0 + G] = m_j
+            s_sum[t, part, h0:h0 + G] = s_j
 
 
 @nb.njit(**_SER)
-def _attend_split(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, softcap, n_heads, n_parts, out):
-    """One query: cells cut into n_parts runs, each a one-chunk pass, merged in order."""
-    D = kcache.shape[2]
-    acc = np.empty((n_parts, n_heads, D), np.float32)
-    m = np.empty((n_parts, n_heads), np.float32)
-    s_sum = np.empty((n_parts, n_heads), np.float32)
-    _split_runs(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, softcap, n_heads, n_parts, acc, m, s_sum)
-    _merge_runs(acc, m, s_sum, n_parts, out, 0)
+def _attend_rows(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, softcap,
+                 n_heads, split, out):
+    """out (T, H*D) for fewer than Q_TILE rows, each one chunk over its cells; with `split`, a
+    row over at least SPLIT_MIN_CELLS cells is cut into SPLIT_PARTS runs, merged in order (the
+    split path of a lone query)."""
+    T, D = q.shape[0], kcache.shape[2]
+    acc = np.empty((T, SPLIT_PARTS, n_heads, D), np.float32)
+    m = np.empty((T, SPLIT_PARTS, n_heads), np.float32)
+    s_sum = np.empty((T, SPLIT_PARTS, n_heads), np.float32)
+    units = np.empty((T * SPLIT_PARTS, 3), np.int64)  # (row, run, runs): only the runs a row has
+    n_units = 0
+    for t in range(T):
+        parts = SPLIT_PARTS if split and _run_cells(q_pos[t], 0, 1)[1] >= SPLIT_MIN_CELLS else 1
+        for part in range(parts):
+            units[n_units, 0], units[n_units, 1], units[n_units, 2] = t, part, parts
+            n_units += 1
+    _unit_runs(q, q_pos, units[:n_units], row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window,
+               scale, softcap, n_heads, acc, m, s_sum)
+    u = 0
+    for t in range(T):
+        parts = units[u, 2]
+        u += parts
+        if parts > 1:
+            _merge_runs(acc[t], m[t], s_sum[t], parts, out, t)
+            continue
+        for h in range(n_heads):  # one chunk: normalized as ggml's one_chunk
+            inv = np.float32(1.0) / s_sum[t, 0, h] if s_sum[t, 0, h] != 0 else np.float32(0.0)
+            for d in range(D):
+                out[t, h * D + d] = acc[t, 0, h, d] * inv
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -472,54 +537,16 @@ def _tile_softmax(row, seen, scale, softcap, tq, m, s_sum, vkq):
 def attention(q, q_pos, kcache, vcache, kv_pos, n_keep, window, scale, softcap, n_heads, out):
     """out (T, H*D): attention of q (positions q_pos, ascending) over the cache, by the path
     ggml would take."""
-    n_cells = (q_pos[-1] + KV_PAD) // KV_PAD * KV_PAD  # llama.cpp's cells: positions so far, padded
     if softcap != 0:  # as ggml: the scale is divided by the cap, the capped score multiplied
         scale = np.float32(scale / softcap)
     T = q.shape[0]
     if T >= Q_TILE:
+        n_cells = (q_pos[-1] + KV_PAD) // KV_PAD * KV_PAD
         _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, softcap, n_heads, out)
-    elif T == 1 and n_cells >= SPLIT_MIN_CELLS:
-        _attend_split(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, softcap, n_heads,
-                      SPLIT_PARTS, out)
     else:
-        _attend_one_chunk(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, scale, softcap, n_heads, out)
-
-
-@nb.njit(inline="always", cache=True, nogil=True)
-def _cells_alone(pos, n_parts):
-    """(the cells a lone query at pos reads, the runs `attention` cuts them into: n_parts when
-    it splits them, else 1)."""
-    n_cells = (pos + KV_PAD) // KV_PAD * KV_PAD
-    return n_cells, n_parts if n_cells >= SPLIT_MIN_CELLS else 1
-
-
-@nb.njit(**_PAR)
-def _row_runs(q, q_pos, units, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, softcap,
-              n_heads, n_parts, acc, m, s_sum):
-    """attention_rows' passes: units (U, 2) the (row, run) pairs to compute, row t's cells in
-    n_parts runs if a lone query at its position would be split (else one run over them all);
-    acc (T, P, H, D), m and s_sum (T, P, H). A job takes one unit and some heads of one KV head."""
-    D = kcache.shape[2]
-    group = n_heads // kcache.shape[1]
-    G = _heads_per_job(units.shape[0] * n_heads, group)
-    n_sets = n_heads // G
-    for job in nb.prange(units.shape[0] * n_sets):
-        t, part = units[job // n_sets, 0], units[job // n_sets, 1]
-        h0 = (job % n_sets) * G
-        pos = q_pos[t]
-        n_cells, parts = _cells_alone(pos, n_parts)
-        run = (n_cells + parts - 1) // parts
-        if part * run >= n_cells:
-            s_sum[t, part, h0:h0 + G] = 0
-            continue
-        acc_j = np.empty((G, D), np.float32)
-        m_j = np.empty(G, np.float32)
-        s_j = np.empty(G, np.float32)
-        _one_chunk(_queries_f16(q, t, h0, G, D), part * run, (part + 1) * run, pos, pos, n_keep, n_slots, kcache,
-                   vcache, kv_pos, tables[row_seq[t]], shift, h0 // group, window, scale, softcap, acc_j, m_j, s_j)
-        acc[t, part, h0:h0 + G] = acc_j
-        m[t, part, h0:h0 + G] = m_j
-        s_sum[t, part, h0:h0 + G] = s_j
+        no_rows, no_tables = np.zeros(0, np.int64), np.zeros((1, 1), np.int64)  # the cache's own slots
+        _attend_rows(q, q_pos, no_rows, no_tables, np.int64(-1), kcache.shape[0], n_keep, kcache, vcache, kv_pos,
+                     window, scale, softcap, n_heads, np.bool_(T == 1), out)
 
 
 @nb.njit(**_SER)
@@ -529,25 +556,7 @@ def attention_rows(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vc
     each row exactly as a lone query at its position (q_pos[t]) is computed by `attention`
     (split or one chunk), whatever the other rows: the batching scheduler's rows. The sequences'
     slots are rows of a shared pool, through block tables (n_seq, blocks) of 2^shift rows."""
-    T, D = q.shape[0], kcache.shape[2]
     if softcap != 0:
         scale = np.float32(scale / softcap)
-    acc = np.empty((T, SPLIT_PARTS, n_heads, D), np.float32)
-    m = np.empty((T, SPLIT_PARTS, n_heads), np.float32)
-    s_sum = np.empty((T, SPLIT_PARTS, n_heads), np.float32)
-    units = np.empty((T * SPLIT_PARTS, 2), np.int64)  # (row, run): only the runs a row has
-    n_units = 0
-    for t in range(T):
-        for part in range(_cells_alone(q_pos[t], SPLIT_PARTS)[1]):
-            units[n_units, 0], units[n_units, 1] = t, part
-            n_units += 1
-    _row_runs(q, q_pos, units[:n_units], row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window,
-              scale, softcap, n_heads, SPLIT_PARTS, acc, m, s_sum)
-    for t in range(T):
-        if _cells_alone(q_pos[t], SPLIT_PARTS)[0] >= SPLIT_MIN_CELLS:
-            _merge_runs(acc[t], m[t], s_sum[t], SPLIT_PARTS, out, t)
-            continue
-        for h in range(n_heads):  # one chunk: as _attend_one_chunk normalizes
-            inv = np.float32(1.0) / s_sum[t, 0, h] if s_sum[t, 0, h] != 0 else np.float32(0.0)
-            for d in range(D):
-                out[t, h * D + d] = acc[t, 0, h, d] * inv
+    _attend_rows(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale, softcap,
+                 n_heads, np.bool_(True), out)

@@ -27,7 +27,8 @@ import math
 import numba as nb
 import numpy as np
 
-from .attention import _NO_TABLE, _capped, _first_cell, _heads_per_job, _next_visible, _ring_start, _visible_rows
+from .attention import (SPLIT_PARTS, _NO_TABLE, _capped, _first_cell, _next_visible, _ring_start, _visible_rows,
+                        head_jobs, walk_heads, whole_rows)
 from .f16 import f16_bits, f16_round
 from .fma import fma
 from .head_walk import heads_walk_q, walk_fits
@@ -230,12 +231,13 @@ def attention_quantized(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcach
     group = n_heads // kcache.shape[1]
     if softcap != 0:
         scale = np.float32(scale / softcap)
-    G = _heads_per_job(T * n_heads, group)
-    n_sets = n_heads // G
+    pieces, starts = head_jobs(whole_rows(T), q_pos, window, n_slots, n_heads, group, walk_heads(group, D),
+                               SPLIT_PARTS)
     own = row_seq.shape[0] == 0
-    for job in nb.prange(T * n_sets):
-        t, h0 = job // n_sets, (job % n_sets) * G
-        qq, qd = _queries_q8_0(q, t, h0, G, D)
-        table = _NO_TABLE if own else tables[row_seq[t]]
-        _one_chunk_q(qq, qd, q_pos[t], q_pos[-1] if own else q_pos[t], n_keep, n_slots, kcache, vcache, kv_pos, table,
-                     -1 if own else shift, h0 // group, window, scale, softcap, out, t, h0)
+    for job in nb.prange(SPLIT_PARTS):
+        for p in range(starts[job], starts[job + 1]):
+            t, h0, G = pieces[p, 0], pieces[p, 1], pieces[p, 2]
+            qq, qd = _queries_q8_0(q, t, h0, G, D)
+            table = _NO_TABLE if own else tables[row_seq[t]]
+            _one_chunk_q(qq, qd, q_pos[t], q_pos[-1] if own else q_pos[t], n_keep, n_slots, kcache, vcache, kv_pos,
+                         table, -1 if own else shift, h0 // group, window, scale, softcap, out, t, h0)
