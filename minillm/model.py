@@ -73,6 +73,7 @@ class Model:
             self.arch.load_weights(progress)
         self.gguf.release_pages()
         self._tokenizer = None
+        self._own_template = None  # the model's chat template, compiled on first use
         self.load_seconds = time.perf_counter() - t0
 
     def use_threads(self) -> None:
@@ -144,10 +145,15 @@ class Model:
         return self.tokenizer.detokenize(ids)
 
     def chat_template(self, override_path=None):
-        """The model's chat template (or --chat-template FILE, or the plain format)."""
+        """The model's chat template (or --chat-template FILE, or the plain format). The model's
+        own is compiled once (2.5 ms for SmolLM2's: a server would pay it per request)."""
         from .chat_template import ChatTemplate
 
-        return ChatTemplate.for_model(self.tokenizer, override_path)
+        if override_path is not None:
+            return ChatTemplate.for_model(self.tokenizer, override_path)
+        if self._own_template is None:
+            self._own_template = ChatTemplate.for_model(self.tokenizer)
+        return self._own_template
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             template_path=None) -> str:

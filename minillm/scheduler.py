@@ -7,8 +7,8 @@ Requests join a running batch at token boundaries and leave when they finish. Ea
      priority (the latest among equals) is preempted: back to the queue, resumed later from its
      tokens;
   3. rows are planned: one decode row per running sequence that has a token to evaluate, then
-     prompt chunks within a budget (prompt_budget: `batch` tokens, fewer while sequences
-     decode, so that their streams keep flowing); cells come from the pool in blocks
+     prompt chunks within a budget (prompt_budget: `batch` tokens, fewer while settled streams
+     decode, so that they keep flowing); cells come from the pool in blocks
      (kv_pool.py), and when it runs dry idle slots' cached cells are evicted, then the lowest
      priority running request is preempted;
   4. one forward over all rows (Transformer.forward_rows): the weights stream once for the step;
@@ -38,6 +38,7 @@ from .sampling import Sampler, SamplingParams
 DEFAULT_PARALLEL = 4
 DEFAULT_CHUNK = 512  # prompt tokens a step, at most
 STREAM_SHARE, MIN_PROMPT_ROWS = 2, 2  # prompt rows a step per decoding row, and at least (prompt_budget)
+SETTLED_TOKENS = 16  # a stream paces prompt reading once it has streamed this many tokens (prompt_budget)
 POLICIES = ("priority", "fcfs")
 
 
@@ -398,7 +399,8 @@ class Scheduler:
         while True:
             running = sorted((s.handle for s in self.slots if s.handle is not None), key=lambda h: h.sort_key)
             plan = [(h, 1) for h in running if h.n_tokens - len(h.slot.tokens) == 1]
-            budget = self.prompt_budget(len(plan))
+            settled = sum(h.timings.n_generated >= SETTLED_TOKENS for h, _ in plan)
+            budget = self.prompt_budget(len(plan), settled)
             for handle in running:
                 pending = handle.n_tokens - len(handle.slot.tokens)
                 if pending > 1 and budget > 0:
@@ -408,13 +410,16 @@ class Scheduler:
             if self._assign_blocks(plan):
                 return plan
 
-    def prompt_budget(self, n_decoding: int) -> int:
-        """Prompt rows this step. While sequences decode, a step carries at most STREAM_SHARE
-        prompt rows per decoding row (at least MIN_PROMPT_ROWS): a row costs about the same
-        whichever kind it is, so a running stream's steps stay under ~3x their usual time while a
-        long prompt is read. With nothing decoding, the whole `batch`. (Every row is computed
-        alone, so how prompts are cut never changes a result.)"""
-        if not n_decoding:
+    def prompt_budget(self, n_decoding: int, n_settled: int) -> int:
+        """Prompt rows this step. While settled streams decode (n_settled: those that have
+        streamed SETTLED_TOKENS tokens), a step carries at most STREAM_SHARE prompt
+        rows per decoding row (at least MIN_PROMPT_ROWS): a row costs about the same whichever
+        kind it is, so a running stream's steps stay under ~3x their usual time while a long
+        prompt is read. Otherwise the whole `batch`: requests that arrive together (a burst of
+        clients a moment apart) are read together, as llama-server and vLLM read them, instead of
+        a few rows a step behind the first one's young stream. (Every row is computed alone, so
+        how prompts are cut never changes a result.)"""
+        if not n_decoding or n_settled == 0:
             return self.batch
         return min(self.batch, max(MIN_PROMPT_ROWS, STREAM_SHARE * n_decoding))
 

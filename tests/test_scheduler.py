@@ -12,7 +12,7 @@ from minillm.batch_input import make_request
 from minillm.errors import MinillmError
 from minillm.kv_pool import KVPool
 from minillm.sampling import SamplingParams
-from minillm.scheduler import Request
+from minillm.scheduler import SETTLED_TOKENS, STREAM_SHARE, Request
 
 pytestmark = pytest.mark.slow
 
@@ -150,6 +150,30 @@ def test_cancel_frees_the_slot_and_prefix_reuse_counts_new_tokens():
     with pytest.raises(MinillmError, match=r"the prompt is \d+ tokens, \d+ more than the context of 64 allows"):
         m.scheduler(parallel=1, n_ctx=64).submit(Request("word " * 100, 4))
     assert scheduler.stats()["running"] == 0
+
+
+def test_prompts_are_read_whole_beside_young_streams_and_paced_beside_settled_ones():
+    """A burst of requests read together (the first one's stream has just begun), while a
+    stream that has streamed SETTLED_TOKENS tokens gets STREAM_SHARE prompt rows a step beside it."""
+    m = loaded_model("smollm2")
+    greedy = SamplingParams(temperature=0)
+    prompt = list(range(1000, 1100))  # 100 token ids
+
+    def rows_of_next_step(scheduler):
+        before = scheduler.stats()["evaluated"]
+        scheduler.step()
+        return scheduler.stats()["evaluated"] - before
+
+    scheduler = m.scheduler(parallel=2)
+    stream = scheduler.submit(Request("Tell me about the sea.", 64, greedy, ignore_eos=True))
+    rows_of_next_step(scheduler)  # its prompt; its first token
+    scheduler.submit(Request(prompt, 4, greedy, ignore_eos=True))
+    assert rows_of_next_step(scheduler) == 1 + len(prompt)  # young: the new prompt whole
+    while stream.timings.n_generated < SETTLED_TOKENS:
+        scheduler.step()
+    scheduler.submit(Request(prompt[::-1], 4, greedy, ignore_eos=True))
+    assert [rows_of_next_step(scheduler) for _ in range(3)] == [1 + STREAM_SHARE] * 3
+    stream.cancel()
 
 
 def test_memory_pressure_preempts_instead_of_failing():
