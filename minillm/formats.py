@@ -30,6 +30,7 @@ class Format:
     code_bits: int = 8      # q + code_offset is unsigned and fits this many bits: the stored width
     code_offset: int = 128
     repacked_product: str = ""  # the product instead where llama.cpp repacks (rows in eights: REPACK_ROWS)
+    repacked_on_avx512_only: bool = False  # llama.cpp repacks it on AVX-512 hosts only
 
     @property
     def nibble_offset(self) -> int | None:
@@ -54,7 +55,8 @@ FORMATS = [
     Format("Q5_0", 6, 32, 22, 32, False, "q8_0", code_bits=5, code_offset=16),
     Format("Q5_1", 7, 32, 24, 32, True, "q8_1", code_bits=5, code_offset=0),
     Format("Q8_0", 8, 32, 34, 32, False, "q8_0"),
-    Format("Q2_K", 10, 256, 84, 16, True, "q8_k", product="k_lanes", code_bits=4, code_offset=0),
+    Format("Q2_K", 10, 256, 84, 16, True, "q8_k", product="k_lanes", code_bits=4, code_offset=0,
+           repacked_product="k_lanes_8x8", repacked_on_avx512_only=True),
     Format("Q3_K", 11, 256, 110, 16, False, "q8_k", product="k_lanes", code_bits=4, code_offset=4),
     Format("Q4_K", 12, 256, 144, 32, True, "q8_k", product="q4_k", code_bits=4, code_offset=0),
     Format("Q5_K", 13, 256, 176, 32, True, "q8_k", product="k_lanes"),

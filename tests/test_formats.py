@@ -5,6 +5,7 @@ import pytest
 from gguf.quants import dequantize as ref_dequantize
 
 from minillm.formats import FORMATS, FORMATS_BY_NAME
+from minillm.kernels.cpu import layers
 from minillm.kernels.cpu import matmul as mm
 from minillm.kernels.cpu.unpack import dequantize, unpack
 from minillm.weights import Matrix
@@ -197,3 +198,28 @@ def test_lanes_tiles_hold_the_file_size_and_sum_like_the_portable_path(name, n_r
     x_deq = q.reshape(12, cols).astype(np.float64) * np.repeat(xd, 32, axis=1)
     expected = x_deq @ reference(fmt, raw, cols).astype(np.float64).T
     np.testing.assert_allclose(batch, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+
+
+def test_q2_k_as_llama_cpp_repacks_it():
+    """Q2_K with rows in eights is repacked by llama.cpp on AVX-512 hosts (q2_K_8x8): its gemm
+    takes a batch's rows in fours, a half super-block per fma, its gemv the rest, a super-block
+    per fma (the bits against llama.cpp: test_architectures' qwen3-q2_k on such a host). On
+    every host: both stay within float rounding of the dequantized product, and row by row
+    (the scheduler's rows) every row is the gemv's, as if alone."""
+    from minillm.weights import row_by_row
+
+    fmt = FORMATS_BY_NAME["Q2_K"]
+    rng = np.random.default_rng(5)
+    n_rows, cols = 64, 512
+    raw = random_blocks("Q2_K", n_rows, cols, rng)
+    packed = Matrix("w", fmt, raw, n_rows, cols).packed
+    repacked = packed[:11] + (mm.PRODUCT_K_LANES_8X8,)
+    x = rng.standard_normal((6, cols)).astype(np.float32)  # rows 0-3: the gemm; 4-5: the gemv
+    batch = layers.linear(repacked, x)
+    alone = np.concatenate([layers.linear(repacked, x[t:t + 1]) for t in range(6)])
+    assert np.array_equal(batch[4:], alone[4:])
+    assert np.array_equal(layers.linear(row_by_row(repacked), x), alone)
+    expected = x.astype(np.float64) @ reference(fmt, raw, cols).astype(np.float64).T
+    for out in (batch, alone):
+        np.testing.assert_allclose(out, expected, atol=0.02 * np.abs(expected).max())
+    assert not np.array_equal(batch[:4], alone[:4])  # the halves' extra rounding shows

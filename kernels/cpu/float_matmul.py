@@ -9,16 +9,22 @@ them to the type's vec_dot type; weight (N, K) holds the weights' float32 values
   REDUCE (attention's dot_f16_*), the columns past the last step added after (F16: in double;
   F32: product, then sum, in float); ggml_vec_dot_bf16, four (AVX-512: two) accumulators of
   products added, reduced, then the rest in double.
+
+BF16 where the CPU has AVX512_BF16 (GGML_AVX512_BF16): both take vdpbf16ps, whose lane j adds
+the products of a 32-value step's pair 2j + 1, then 2j, each as an fma (the products of two
+bfloat16 are exact in float32), flushing a subnormal sum to zero: tinyBLAS one accumulator of 16
+lanes over steps of 32 (the last step padded with zeros), vec_dot two over steps of 64.
 """
 import numba as nb
 import numpy as np
 
 from .attention import F16_DOT_STEP, _reduce8, _reduce16
 from .fma import fma
-from .ops import GGML_AVX512
+from .ops import GGML_AVX512, GGML_AVX512_BF16
 from .simd import dot_f16_32, dot_f16_64
 
 LANES = 16 if GGML_AVX512 else 8
+_FLT_MIN = np.float32(1.1754944e-38)  # the smallest normal float32
 FLOAT_F32, FLOAT_F16, FLOAT_BF16 = 0, 1, 2
 
 
@@ -31,7 +37,12 @@ def float_matmul(weight, x, fmt, out):
     for n in nb.prange(N):
         acc = np.empty(4 * LANES, np.float32)
         for t in range(T):
-            if T >= 2:
+            if fmt == FLOAT_BF16 and GGML_AVX512_BF16:
+                if T >= 2:
+                    out[t, n] = _dpbf16_dot(w, n * K, xf, t * K, K, acc, 1, 32)
+                else:
+                    out[t, n] = _dpbf16_dot(w, n * K, xf, t * K, K, acc, 2, 64)
+            elif T >= 2:
                 out[t, n] = _tiny_blas_dot(w, n * K, xf, t * K, K, acc)
             elif fmt == FLOAT_BF16:
                 out[t, n] = _vec_dot_bf16(w, n * K, xf, t * K, K, acc)
@@ -88,6 +99,34 @@ def _vec_dot_bf16(w, w_at, x, x_at, K, acc):
         for j in range(8):  # (c1 + c3) + (c2 + c4)
             acc[j] = (acc[j] + acc[16 + j]) + (acc[8 + j] + acc[24 + j])
         wide = np.float64(_reduce8(acc, 0))
+    for k in range(i, K):
+        wide += np.float64(w[w_at + k] * x[x_at + k])
+    return np.float32(wide)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _dpbf16(acc, w, w_at, x, x_at, step, K):
+    """acc (16,) after one vdpbf16ps over the 32 values from `step` (zero past K)."""
+    for j in range(16):
+        for e in (step + 2 * j + 1, step + 2 * j):
+            a = fma(w[w_at + e], x[x_at + e], acc[j]) if e < K else fma(np.float32(0), np.float32(0), acc[j])
+            acc[j] = a if abs(a) >= _FLT_MIN else a * np.float32(0.0)  # FTZ, keeping the sign
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _dpbf16_dot(w, w_at, x, x_at, K, acc, n_acc, width):
+    """BF16 with AVX512_BF16: n_acc accumulators of 16 lanes over steps of `width` (32 per
+    accumulator) (tinyBLAS: 1 and 32, every step; vec_dot: 2 and 64, whole steps only, the rest
+    in double); each reduced, in double."""
+    acc[:16 * n_acc] = 0
+    i = 0
+    while i < K and (n_acc == 1 or i + width <= K):
+        for c in range(n_acc):
+            _dpbf16(acc[16 * c:], w, w_at, x, x_at, i + 32 * c, K)
+        i += width
+    if n_acc == 1:
+        return _reduce16(acc, 0)
+    wide = np.float64(_reduce16(acc, 0)) + np.float64(_reduce16(acc, 16))
     for k in range(i, K):
         wide += np.float64(w[w_at + k] * x[x_at + k])
     return np.float32(wide)

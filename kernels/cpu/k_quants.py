@@ -15,7 +15,12 @@ Activations are Q8_K: codes, d per super-block (xd, repeated per 32 columns), co
   Q5_K, one running sum: summs = fma(-(d_x * dmin_w), sum_j m[j] bsum32[j], summs), added last.
 - a batch of TILED_MIN_ROWS rows or more: ggml's tiled K-quant kernel, one integer sum a
   super-block, res = d_w * S (then fma(-dmin_w, sum of m * bsum, res)), acc = fma(res, d_x, acc).
-row_by_row: vec_dot for every row (a batch of one), for the batching scheduler.
+- Q2_K where llama.cpp repacks it (q2_K_8x8: an AVX-512 host, rows in eights; `repacked`): two
+  accumulators, acc = fma(S, d_w * d_x, acc) and acc_m = fma(M, dmin_w * d_x, acc_m) with S and M
+  the exact sums of sc * q * x and of m * bsum, the result acc - acc_m. Its gemv (a batch's last
+  T % 4 rows, or all of a batch under 4) takes S and M a super-block at a time; its gemm (the
+  batch's rows in fours) a half super-block (128 values) at a time.
+row_by_row: vec_dot (gemv where repacked) for every row (a batch of one), for the batching scheduler.
 """
 import numba as nb
 import numpy as np
@@ -26,7 +31,7 @@ from .vnni import R, tile_lanes
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def qmatmul_k_lanes(data, sc, mins, sb, nibbles, offset, xq, xd, xn4, xn16, row_by_row, out):
+def qmatmul_k_lanes(data, sc, mins, sb, nibbles, offset, xq, xd, xn4, xn16, row_by_row, repacked, out):
     """out (T, N) = x @ W.T for Q2_K/Q3_K/Q5_K tiles (module doc); xq (T*K,) the activation codes."""
     NT, n_groups = sc.shape[0], sc.shape[1]
     T = out.shape[0]
@@ -34,7 +39,7 @@ def qmatmul_k_lanes(data, sc, mins, sb, nibbles, offset, xq, xd, xn4, xn16, row_
     K = n_groups * G
     n_blk = K // 32
     block_bytes = (16 if nibbles else 32) * R
-    tiled = T >= TILED_MIN_ROWS and not row_by_row
+    tiled = T >= TILED_MIN_ROWS and not row_by_row and not repacked
     for nt in nb.prange(NT):
         lanes = np.empty(4 * 8 * R, np.int32)  # (token, lane, row) integer sums of one block
         isum = np.zeros((4, 8, R), np.int32)   # (token, lane, row) scale-weighted, this super-block
@@ -53,14 +58,20 @@ def qmatmul_k_lanes(data, sc, mins, sb, nibbles, offset, xq, xd, xn4, xn16, row_
                         tile_lanes(data, at, xq, (t0 + tok) * K + blk * 32, K, 1, nibbles, lanes[tok * 8 * R:])
                 for tok in range(n_tok):
                     _add_block(lanes, isum, sc, nt, blk, tok, t0 + tok, G, np.int32(offset), xn4)
-                if blk % 8 == 7:
+                if repacked:
+                    gemm = n_tok == 4 and not row_by_row
+                    if blk % 8 == 7 or (gemm and blk % 4 == 3):
+                        first, n_sub = (8 * (blk % 8 // 4), 8) if gemm else (0, 16)
+                        for tok in range(n_tok):
+                            _part_8x8(isum[tok], acc[tok], mins, sb, nt, blk // 8, first, n_sub, t0 + tok, xd, xn16)
+                elif blk % 8 == 7:
                     for tok in range(n_tok):
                         if tiled:
                             _superblock_tiled(isum[tok], acc[tok, 0], sc, mins, sb, nt, blk // 8, t0 + tok, G, xd, xn16)
                         else:
                             _superblock_vec_dot(isum[tok], acc[tok], summs[tok], mins, sb, nt, blk // 8, t0 + tok, G,
                                                 xd, xn16)
-            _write(acc, summs, n_tok, t0, nt, tiled, G, mins.shape[1] > 0, out)
+            _write(acc, summs, n_tok, t0, nt, tiled, repacked, G, mins.shape[1] > 0, out)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -118,13 +129,34 @@ def _superblock_tiled(isum, acc, sc, mins, sb, nt, b, t, G, xd, xn16):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _write(acc, summs, n_tok, t0, nt, tiled, G, has_min, out):
+def _part_8x8(isum, acc, mins, sb, nt, b, first, n_sub, t, xd, xn16):
+    """q2_K_8x8's float steps for the 16-value sub-blocks [first, first + n_sub) of super-block
+    b of token t: acc[0] += S * (d_w * d_x), acc[1] += M * (dmin_w * d_x), each one fma, with S
+    (isum's lanes, cleared after) and M (the mins times the activations' sums) exact."""
+    dx = xd[t, 8 * b]
+    for r in range(R):
+        total = np.int32(0)
+        for l in range(8):
+            total += isum[l, r]
+            isum[l, r] = 0
+        m = np.int32(0)
+        for g in range(16 * b + first, 16 * b + first + n_sub):
+            m += np.int32(mins[nt, g, r]) * xn16[t, g]
+        acc[0, r] = fma(np.float32(total), sb[nt, 2 * b, r] * dx, acc[0, r])
+        acc[1, r] = fma(np.float32(m), sb[nt, 2 * b + 1, r] * dx, acc[1, r])
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _write(acc, summs, n_tok, t0, nt, tiled, repacked, G, has_min, out):
     n0 = nt * R
     for tok in range(n_tok):
         a = acc[tok]
         for r in range(min(R, out.shape[1] - n0)):
             if tiled:
                 out[t0 + tok, n0 + r] = a[0, r]
+                continue
+            if repacked:
+                out[t0 + tok, n0 + r] = a[0, r] - a[1, r]
                 continue
             h = ((a[0, r] + a[4, r]) + (a[2, r] + a[6, r])) + ((a[1, r] + a[5, r]) + (a[3, r] + a[7, r]))
             out[t0 + tok, n0 + r] = h + summs[tok, r] if has_min and G == 32 else h

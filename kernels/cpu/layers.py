@@ -22,8 +22,8 @@ from .f16 import f16_round
 from .float_matmul import FLOAT_BF16, FLOAT_F16, FLOAT_F32, float_matmul
 from .k_quants import qmatmul_k_lanes
 from .lanes import qmatmul_lanes, qmatmul_lanes3
-from .matmul import (KIND_Q8_1, PRODUCT_K_LANES, PRODUCT_LANES, PRODUCT_LANES_BLOCKS, PRODUCT_Q4_K, PRODUCT_Q6_K,
-                     ROW_BY_ROW, qmatmul_q4_k, qmatmul_q6_k, quantize_act)
+from .matmul import (KIND_Q8_1, PRODUCT_K_LANES, PRODUCT_K_LANES_8X8, PRODUCT_LANES, PRODUCT_LANES_BLOCKS, PRODUCT_Q4_K,
+                     PRODUCT_Q6_K, ROW_BY_ROW, qmatmul_q4_k, qmatmul_q6_k, quantize_act)
 
 _SPLIT_BF16 = np.float32(65537.0)  # 2^(24-8) + 1: keeps bfloat16's 8 significant bits
 
@@ -95,9 +95,9 @@ def _apply(w, x, act):
         qmatmul_q4_k(data, scale.view(np.int8), bias.view(np.int8), sb, q, d32, n32, row_by_row, out)
     elif product == PRODUCT_Q6_K:
         qmatmul_q6_k(data, scale.view(np.int8), sb, q, d32, n4, n16, row_by_row, out)
-    elif product == PRODUCT_K_LANES:
+    elif product == PRODUCT_K_LANES or product == PRODUCT_K_LANES_8X8:
         qmatmul_k_lanes(data, scale.view(np.int8), bias.view(np.int8), sb, bits == 4, offset, q, d32, n4, n16,
-                        row_by_row, out)
+                        row_by_row, product == PRODUCT_K_LANES_8X8, out)
     return out
 
 

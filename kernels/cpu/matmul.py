@@ -34,17 +34,17 @@ KIND_Q8_0, KIND_Q8_1, KIND_Q8_K = 0, 1, 2
 KIND_IDS = {"q8_0": KIND_Q8_0, "q8_1": KIND_Q8_1, "q8_k": KIND_Q8_K}
 
 # How llama.cpp's x86 backend sums a format's products (Format.product); each has a kernel here
-PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, PRODUCT_K_LANES, PRODUCT_LANES_BLOCKS = 0, 1, 2, 3, 4
+PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, PRODUCT_K_LANES, PRODUCT_LANES_BLOCKS, PRODUCT_K_LANES_8X8 = range(6)
 # from this many activation rows on, llama.cpp multiplies non-repacked K-quants (Q6_K here) with
 # its "tiled" kernel instead of vec_dot
 TILED_MIN_ROWS = 8
 PRODUCT_IDS = {"lanes": PRODUCT_LANES, "q4_k": PRODUCT_Q4_K, "q6_k": PRODUCT_Q6_K, "k_lanes": PRODUCT_K_LANES,
-               "lanes_blocks": PRODUCT_LANES_BLOCKS}
+               "lanes_blocks": PRODUCT_LANES_BLOCKS, "k_lanes_8x8": PRODUCT_K_LANES_8X8}
 # Added to a weight tuple's product id: every batch row is computed as if it were alone (the
 # one-token kernel for every row), so a row's result never depends on the rows beside it (the
 # batching scheduler). Only the products whose arithmetic follows the batch size need it.
 ROW_BY_ROW = 8
-BATCH_DEPENDENT = (PRODUCT_Q4_K, PRODUCT_Q6_K, PRODUCT_K_LANES)
+BATCH_DEPENDENT = (PRODUCT_Q4_K, PRODUCT_Q6_K, PRODUCT_K_LANES, PRODUCT_K_LANES_8X8)
 
 
 @nb.njit(cache=True, nogil=True)

@@ -144,6 +144,7 @@ _EXP_C5 = np.float32(float.fromhex("0x1.0e4020p-7"))
 _HOST = llvm_binding.get_host_cpu_features()
 GGML_AVX512 = bool(_HOST.get("avx512f", False) and _HOST.get("avx512dq", False))
 SIMD_WIDTH = 16 if GGML_AVX512 else 8  # float32 lanes of ggml's vector loops
+GGML_AVX512_BF16 = GGML_AVX512 and bool(_HOST.get("avx512bf16", False))  # BF16 products by vdpbf16ps
 
 _AVX2_ONE_BITS = 0x3F800000          # the bits of 1.0f
 _AVX2_SPECIAL_NEG = -0x7E000000      # 0x82000000 as int32
