@@ -13,15 +13,14 @@ from conftest import DATA
 from minillm.arch import ARCHITECTURES
 from minillm.arch.base import COMMON_KEYS, NEUTRAL_VALUES
 from minillm.generate import Session
-from minillm.kernels.cpu.ops import GGML_AVX512
+from minillm.kernels.cpu.ops import ggml_build
 from minillm.sampling import SamplingParams
 from synthetic import SyntheticModel
 
 REFERENCE = np.load(DATA / "arch_reference.npz")
-HOST_BUILD = "avx512" if GGML_AVX512 else "avx2"
-# llama.cpp's logits as ggml's build for this kind of CPU computes them, else the other build's
-REF_BUILD = HOST_BUILD if any(k.startswith(HOST_BUILD + "/") for k in REFERENCE) else \
-    {"avx2": "avx512", "avx512": "avx2"}[HOST_BUILD]
+HOST_BUILD = ggml_build(bf16=True)   # BF16 products differ where the CPU has AVX512_BF16
+# llama.cpp's logits as ggml's build for this kind of CPU computes them, else another build's
+REF_BUILD = HOST_BUILD if any(k.startswith(HOST_BUILD + "/") for k in REFERENCE) else "avx2"
 
 
 def first_difference(ours: np.ndarray, ref: np.ndarray) -> str:

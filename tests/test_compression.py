@@ -12,14 +12,14 @@ import pytest
 from conftest import DATA, REPORT, loaded_model, model_path
 
 import minillm
-from minillm.kernels.cpu.ops import GGML_AVX512
+from minillm.kernels.cpu.ops import ggml_build
 from minillm.perplexity import kl_divergence, perplexity
 from minillm.quantize import quantize
 
 REF = json.loads((DATA / "compression_reference.json").read_text())
 TEXT = (DATA / "ppl_text_dev.txt").read_text()
 # llama.cpp's logits are those of its build for this CPU; the reference came from one build
-HOST_BUILD = "avx512" if GGML_AVX512 else "avx2"
+HOST_BUILD = ggml_build()
 SAME_BUILD = HOST_BUILD in REF["builds"]   # else another build's figures, compared within a tolerance
 BUILD_REF = REF["builds"][HOST_BUILD if SAME_BUILD else next(iter(REF["builds"]))]
 

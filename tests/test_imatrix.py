@@ -16,13 +16,13 @@ from synthetic import synthetic_imatrix
 from minillm.errors import MinillmError
 from minillm.imatrix import compute_imatrix
 from minillm.imatrix_file import load, to_bytes
-from minillm.kernels.cpu.ops import GGML_AVX512
+from minillm.kernels.cpu.ops import ggml_build
 from minillm.quantize import quantize
 
 REF = json.loads((DATA / "imatrix_reference.json").read_text())
 TEXT = (ROOT / REF["text"]).read_text()
 # the activations are those of ggml's build for this CPU; the reference came from one build
-HOST_BUILD = "avx512" if GGML_AVX512 else "avx2"
+HOST_BUILD = ggml_build()
 SAME_BUILD = HOST_BUILD in REF["builds"]   # else another build's figures, compared within a tolerance
 BUILD_REF = REF["builds"][HOST_BUILD if SAME_BUILD else next(iter(REF["builds"]))]
 

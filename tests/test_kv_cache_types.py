@@ -12,12 +12,12 @@ from conftest import DATA, REPORT, model_path
 
 import minillm
 from minillm.errors import MinillmError
-from minillm.kernels.cpu.ops import GGML_AVX512
+from minillm.kernels.cpu.ops import ggml_build
 from minillm.sampling import SamplingParams
 from minillm.scheduler import Request
 
 REF = json.loads((DATA / "kv_cache_reference.json").read_text())
-HOST_BUILD = "avx512" if GGML_AVX512 else "avx2"
+HOST_BUILD = ggml_build()
 SAME_BUILD = HOST_BUILD in REF["builds"]   # else another build's logits, compared within a tolerance
 CASES = REF["builds"][HOST_BUILD if SAME_BUILD else next(iter(REF["builds"]))]
 _models = {}

@@ -146,6 +146,14 @@ GGML_AVX512 = bool(_HOST.get("avx512f", False) and _HOST.get("avx512dq", False))
 SIMD_WIDTH = 16 if GGML_AVX512 else 8  # float32 lanes of ggml's vector loops
 GGML_AVX512_BF16 = GGML_AVX512 and bool(_HOST.get("avx512bf16", False))  # BF16 products by vdpbf16ps
 
+
+def ggml_build(bf16: bool = False) -> str:
+    """The name of ggml's build for this CPU that minillm computes as (reference data are kept per
+    build): "avx2" or "avx512", and with bf16, "avx512_bf16" where BF16 products differ too."""
+    if not GGML_AVX512:
+        return "avx2"
+    return "avx512_bf16" if bf16 and GGML_AVX512_BF16 else "avx512"
+
 _AVX2_ONE_BITS = 0x3F800000          # the bits of 1.0f
 _AVX2_SPECIAL_NEG = -0x7E000000      # 0x82000000 as int32
 

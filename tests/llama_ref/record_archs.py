@@ -6,7 +6,7 @@ tests/data/arch_reference.npz (run from the repository root, after build.sh):
 Per case: the sha256 of the GGUF file, the logits after the prompt batch and after each single
 token (N_DECODE + 1, V), and N_GREEDY greedy tokens after the prompt alone. The logits and tokens
 are those of ggml's build for this CPU (AVX2 or AVX-512, which round differently): they are kept
-under that build's name ("avx512/llama/logits"), next to those recorded on the other kind of CPU."""
+under that build's name ("avx512_bf16/qwen3/logits"), next to those recorded on other kinds of CPU."""
 from __future__ import annotations
 
 import hashlib
@@ -30,10 +30,10 @@ def dump(binary: Path, model: Path, ids, n_prompt: int, out: Path, greedy: int =
 
 
 def main(workdir: str) -> None:
-    from minillm.kernels.cpu.ops import GGML_AVX512  # the build of ggml llama.cpp runs (this CPU's)
+    from minillm.kernels.cpu.ops import ggml_build  # the build of ggml llama.cpp runs (this CPU's)
 
     binary = Path(workdir) / "dump"
-    build = "avx512" if GGML_AVX512 else "avx2"
+    build = ggml_build(bf16=True)
     out = Path(__file__).resolve().parent.parent / "data" / "arch_reference.npz"
     record = {k: v for k, v in np.load(out).items() if not k.startswith(build + "/")} if out.exists() else {}
     with tempfile.TemporaryDirectory() as tmp:

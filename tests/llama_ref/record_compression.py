@@ -56,13 +56,13 @@ def main(bin_dir: str) -> None:
             "kld": {"base_sha256": sha256(tmp / "base.kld"), "base_ppl": base_ppl, "report": stats},
             "prune": {"layers": PRUNE, "type": "Q4_K_M", "sha256": sha256(tmp / "pruned.gguf"), "ppl": pruned_ppl},
         }
-    from minillm.kernels.cpu.ops import GGML_AVX512  # the build of ggml llama.cpp ran (this CPU's)
+    from minillm.kernels.cpu.ops import ggml_build  # the build of ggml llama.cpp ran (this CPU's)
 
     path = DATA / "compression_reference.json"
     record = json.loads(path.read_text()) if path.exists() else {"builds": {}}
     record.update({"_source": "llama.cpp b11434 llama-quantize and llama-perplexity, "
                               "tests/llama_ref/record_compression.py", "n_ctx": N_CTX, "n_chunks": N_CHUNKS})
-    record["builds"]["avx512" if GGML_AVX512 else "avx2"] = figures   # next to the other kind of CPU's
+    record["builds"][ggml_build()] = figures   # next to the other kind of CPU's
     path.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
     print(json.dumps(record, indent=1, ensure_ascii=False))
 

@@ -76,13 +76,13 @@ def main(bin_dir: str) -> None:
             run(bins / "llama-quantize", *args[:-1], "--imatrix", "imatrix.gguf", "f16.gguf", "out.gguf", args[-1],
                 "2", cwd=tmp)
             quants.append({"args": args, "sha256": sha256(tmp / "out.gguf")})
-    from minillm.kernels.cpu.ops import GGML_AVX512
+    from minillm.kernels.cpu.ops import ggml_build
 
     path = ROOT / "tests" / "data" / "imatrix_reference.json"
     record = json.loads(path.read_text()) if path.exists() else {"builds": {}}
     record.update({"_source": "llama.cpp b11434 llama-imatrix and llama-quantize, tests/llama_ref/record_imatrix.py",
                    "text": TEXT, "n_ctx": N_CTX, "n_chunks": N_CHUNKS, "quantize": quants})
-    record["builds"]["avx512" if GGML_AVX512 else "avx2"] = {"imatrix": runs}  # next to the other CPU kind's
+    record["builds"][ggml_build()] = {"imatrix": runs}  # next to the other CPU kind's
     path.write_text(json.dumps(record, indent=1) + "\n")
 
 if __name__ == "__main__":

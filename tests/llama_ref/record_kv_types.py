@@ -48,13 +48,13 @@ def main(workdir: str) -> None:
                     "top": [[[int(i), float(row[i])] for i in order] for row, order in zip(logits, top)],
                 }
                 print(f"{name} {cache_type}: {n_prompt} prompt tokens + {N_SINGLE}")
-    from minillm.kernels.cpu.ops import GGML_AVX512  # the build of ggml llama.cpp ran (this CPU's)
+    from minillm.kernels.cpu.ops import ggml_build  # the build of ggml llama.cpp ran (this CPU's)
 
     out = ROOT / "tests" / "data" / "kv_cache_reference.json"
     record = json.loads(out.read_text()) if out.exists() else {"builds": {}}
     record.update({"_source": "llama.cpp b11434 (tests/llama_ref/dump.cpp, DUMP_CTK/DUMP_CTV), 2 threads",
                    "n_single": N_SINGLE})
-    record["builds"]["avx512" if GGML_AVX512 else "avx2"] = cases
+    record["builds"][ggml_build()] = cases
     out.write_text(json.dumps(record) + "\n")
     print(f"wrote {out}")
 
