@@ -22,7 +22,7 @@ SAMPLING_FIELDS = {
     "presence_penalty": (lambda v: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
     "frequency_penalty": (lambda v: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
 }
-FIELDS = ("id", "prompt", "messages", "max_tokens", "stop", "priority", *SAMPLING_FIELDS)
+FIELDS = ("id", "prompt", "messages", "max_tokens", "stop", "priority", "lookup", *SAMPLING_FIELDS)
 
 
 def is_number(v) -> bool:
@@ -57,13 +57,17 @@ def make_request(item, max_tokens: int = 128, sampling: SamplingParams | None = 
         stops = [stops]
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise MinillmError("'stop' must be a string or a list of strings")
+    lookup = item.get("lookup", False)
+    if not isinstance(lookup, bool):
+        raise MinillmError(f"'lookup' must be true or false, not {lookup!r}")
     overrides = {}
     for key, (ok, what) in SAMPLING_FIELDS.items():
         if key in item:
             if not ok(item[key]):
                 raise MinillmError(f"'{key}' must be {what}, not {item[key]!r}")
             overrides[key] = item[key]
-    return Request(prompt, n, replace(sampling, **overrides), stops, priority, ignore_eos, item.get("id", id))
+    return Request(prompt, n, replace(sampling, **overrides), stops, priority, ignore_eos, item.get("id", id),
+                   lookup=lookup)
 
 
 def _prompt(value, name: str):

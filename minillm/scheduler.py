@@ -34,6 +34,7 @@ from .errors import MinillmError
 from .generate import Chunk, StopMatcher, Timings, token_logprobs
 from .kv_pool import KVPool
 from .sampling import Sampler, SamplingParams
+from .speculative import make_speculation
 
 DEFAULT_PARALLEL = 4
 DEFAULT_CHUNK = 512  # prompt tokens a step, at most
@@ -52,6 +53,7 @@ class Request:
     ignore_eos: bool = False
     id: object = None                 # the caller's name for it (echoed in results)
     logprobs: int | None = None       # None: off; k: each Chunk carries its token's logprob and the k best
+    lookup: bool = False              # prompt lookup: guessed tokens checked in the same step (_guesses)
 
 
 class Handle:
@@ -79,6 +81,11 @@ class Handle:
         self._cv = threading.Condition()
         self._cancel = False
         self._t_admit = self._t_first = 0.0
+        self._speculation = None      # a speculative.Speculation when request.lookup
+        if request.lookup:
+            self._speculation = make_speculation(scheduler.model, scheduler.n_ctx, lookup=True)
+            self._speculation.start(prompt_ids)
+        self._guesses: list[int] = []  # the tokens guessed after its decode row this step
         self.notify = None            # called (from the scheduler's thread) after each new Chunk or error
 
     @property
@@ -318,6 +325,7 @@ class Scheduler:
             if not plan:
                 return False
             self.n_steps += 1
+            t0 = time.perf_counter()
             try:
                 logits, outputs = self._forward(plan)
             except Exception as exc:  # a kernel error: those requests fail, the slots are freed
@@ -327,7 +335,7 @@ class Scheduler:
                         handle._fail(exc)
                 return True
             with self._lock:
-                self._sample(logits, outputs)
+                self._sample(logits, outputs, time.perf_counter() - t0)
             return True
 
     def _drop_cancelled(self) -> None:
@@ -384,6 +392,9 @@ class Scheduler:
         self.queue.append(handle)
 
     def _leave(self, handle: Handle, clear: bool = False) -> None:
+        if handle._guesses:  # planned, never checked
+            handle._speculation.n_drafted -= len(handle._guesses)
+            handle._guesses = []
         slot = handle.slot
         if slot is None:
             return
@@ -398,7 +409,7 @@ class Scheduler:
         blocks assigned for all of them."""
         while True:
             running = sorted((s.handle for s in self.slots if s.handle is not None), key=lambda h: h.sort_key)
-            plan = [(h, 1) for h in running if h.n_tokens - len(h.slot.tokens) == 1]
+            plan = [(h, 1 + len(self._guesses(h))) for h in running if h.n_tokens - len(h.slot.tokens) == 1]
             settled = sum(h.timings.n_generated >= SETTLED_TOKENS for h, _ in plan)
             budget = self.prompt_budget(len(plan), settled)
             for handle in running:
@@ -409,6 +420,25 @@ class Scheduler:
                     budget -= n
             if self._assign_blocks(plan):
                 return plan
+
+    def _guesses(self, handle: Handle) -> list[int]:
+        """The tokens a lookup request guesses after its decode row this step (speculative.py:
+        as many as are expected to pay), within its max_tokens, the context and the free cells.
+        Each guess is one more row of its sequence, computed alone like every row, so checking
+        it against the decode row's logits (Sampler.verify) keeps its tokens those of plain
+        decoding."""
+        spec = handle._speculation
+        if spec is None or handle._guesses:  # none, or planned already (plan again after eviction)
+            return handle._guesses
+        room = min(handle.request.max_tokens - handle.timings.n_generated, self.n_ctx - handle.n_tokens) - 1
+        guesses = spec.guesses(handle.tokens, room)
+        start = len(handle.slot.tokens)
+        if guesses and not self.pool.can_assign(self.pool.blocks_needed(handle.slot.index, start,
+                                                                        start + 1 + len(guesses))):
+            spec.n_drafted -= len(guesses)  # no cells to spare: no guesses this step
+            guesses = []
+        handle._guesses = guesses
+        return guesses
 
     def prompt_budget(self, n_decoding: int, n_settled: int) -> int:
         """Prompt rows this step. While settled streams decode (n_settled: those that have
@@ -451,8 +481,12 @@ class Scheduler:
         for handle, n in plan:
             slot = handle.slot
             start = len(slot.tokens)
-            tokens = handle.tokens
+            tokens = handle.tokens + handle._guesses  # a decode row's guesses: rows after it
             rows = [(slot.index, start + i, tokens[start + i]) for i in range(n)]
+            if handle._guesses:  # every row's logits: each checks the guess after it
+                last.extend(rows)
+                outputs.append(handle)
+                continue
             if start + n == len(tokens):  # its last token: sample after it
                 inner.extend(rows[:-1])
                 last.append(rows[-1])
@@ -466,21 +500,57 @@ class Scheduler:
         for handle, n in plan:
             slot = handle.slot
             start = len(slot.tokens)
+            n -= len(handle._guesses)  # guesses join the slot's cells once accepted (_sample)
             slot.tokens.extend(handle.tokens[start:start + n])
             handle.timings.n_prompt += max(0, min(start + n, len(handle.prompt_ids)) - start)
         self.n_evaluated += len(ids)
         return logits, outputs
 
-    def _sample(self, logits: np.ndarray, outputs: list[Handle]) -> None:
+    def _sample(self, logits: np.ndarray, outputs: list[Handle], step_s: float) -> None:
+        """Sample each output handle's token from its row; a handle that guessed has a row per
+        guess too: each guess is checked against the row before it (kept as the token, or
+        replaced by one drawn from the rest of the distribution), and the rows after a replaced
+        guess are dropped (their cells are rewritten later; the slot's tokens stop before them)."""
         now = time.perf_counter()
-        for row, handle in zip(logits, outputs):
+        at = 0
+        for handle in outputs:
+            guesses, handle._guesses = handle._guesses, []
+            rows = logits[at:at + 1 + len(guesses)]
+            at += len(rows)
             if handle.slot is None:  # preempted meanwhile: it resumes from its tokens
                 continue
             if not handle._t_first:
                 handle._t_first = now
                 handle.timings.prompt_s = now - handle._t_admit
-            token = handle._sampler(row, handle.tokens)
+            if handle._speculation is not None:
+                self._time_pass(handle._speculation, len(rows), step_s, len(outputs))
+            self._sample_rows(handle, rows, guesses)
+
+    @staticmethod
+    def _time_pass(spec, n_rows: int, step_s: float, n_streams: int) -> None:
+        """Teach a request's Speculation what its guesses cost. Beside n_streams - 1 others, a
+        guess row slows every stream's step: its cost counts n_streams times over (a step with
+        guesses is charged as the steps without them plus n_streams times the difference), so
+        a request guesses only where the step's tokens per second rise, not just its own."""
+        if n_rows > 1 and spec.t_lone:
+            step_s = spec.t_lone + n_streams * (step_s - spec.t_lone)
+        spec.timed(n_rows, step_s)
+
+    def _sample_rows(self, handle: Handle, rows: np.ndarray, guesses: list[int]) -> None:
+        for i, row in enumerate(rows):
+            guess = guesses[i] if i < len(guesses) else None
+            if guess is None:
+                token = handle._sampler(row, handle.tokens)
+            else:
+                token = handle._sampler.verify(row, handle.tokens, guess)
+                handle._speculation.judged(token == guess)
+                handle.timings.n_drafted = handle._speculation.n_drafted
+                handle.timings.n_accepted = handle._speculation.n_accepted
             n_top = handle.request.logprobs
             logprobs = None if n_top is None else token_logprobs(row, token, n_top)
             if handle._emit(token, self.n_ctx, logprobs):
                 self._leave(handle)
+                return
+            if token != guess:
+                return
+            handle.slot.tokens.append(guess)  # its row's cells hold the token now taken

@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -175,6 +176,38 @@ def test_greedy_lookup_gives_plain_tokens(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_scheduler_lookup_requests_give_plain_tokens(name):
+    """Lookup as a per-request option of the batching scheduler, beside requests without it:
+    each greedy request's tokens equal its plain run alone; guesses both accepted and rejected;
+    the slot keeps only accepted guesses' cells (the next turn reuses them: only its new
+    tokens are evaluated, and its tokens equal its run alone)."""
+    from minillm.scheduler import Request
+
+    model = loaded_model(name)
+    requests = [Request(p, 40, GREEDY, ignore_eos=True, lookup=i != 1, id=i) for i, p in enumerate(PROMPTS)]
+    scheduler = model.scheduler(parallel=3)
+    handles = [scheduler.submit(r) for r in requests]
+    scheduler.run(handles)
+    results = [h.result() for h in handles]
+    drafted = accepted = 0
+    for handle, request, result in zip(handles, requests, results):
+        alone = model.scheduler(parallel=1).submit(replace(request, lookup=False)).result()
+        assert result.tokens == alone.tokens, request.prompt
+        drafted, accepted = drafted + handle.timings.n_drafted, accepted + handle.timings.n_accepted
+    assert handles[1].timings.n_drafted == 0 and 0 < accepted < drafted
+    REPORT.append(f"{name}: scheduler requests with lookup identical to plain; {accepted}/{drafted} guesses accepted")
+    # the slot holds the prompt and every generated token but the last, accepted guesses included
+    follow = handles[0].prompt_ids + results[0].tokens + model.tokenize(" Once more.", add_bos=False)
+    evaluated = scheduler.stats()["evaluated"]
+    again = scheduler.submit(Request(follow, 8, GREEDY, ignore_eos=True))
+    tokens = again.result().tokens
+    assert again.n_cached == len(handles[0].prompt_ids) + len(results[0].tokens) - 1
+    assert scheduler.stats()["evaluated"] - evaluated == len(follow) - again.n_cached + 7
+    assert tokens == model.scheduler(parallel=1).submit(Request(follow, 8, GREEDY, ignore_eos=True)).result().tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_greedy_lookup_past_the_context(name):
     """With --ctx 256 generation runs past the context (the global ring wraps): guessing
     pauses where rolled-back rows would overwrite cells still attended to; tokens unchanged."""
@@ -301,3 +334,16 @@ def test_bench_lookup_reports_both_prompt_sets():
     for s in result["sets"]:
         assert s["identical"] and s["tokens"] > 0 and s["plain_tokens_per_s"] > 0 and s["speedup"] > 0
     assert run_cli("bench", str(model_path("smollm2")), "--lookup", "--draft", "x.gguf").returncode == 2
+
+
+def test_lookup_is_a_field_of_batch_lines_and_server_requests():
+    from minillm.batch_input import make_request
+    from minillm.server.protocol import ApiError, parse_completion
+
+    assert make_request({"prompt": "Hi", "lookup": True}).lookup and not make_request({"prompt": "Hi"}).lookup
+    with pytest.raises(MinillmError, match="'lookup' must be true or false"):
+        make_request({"prompt": "Hi", "lookup": "yes"})
+    body = {"messages": [{"role": "user", "content": "Hi"}], "lookup": True}
+    assert parse_completion(body, True, GREEDY, 2048).request.lookup
+    with pytest.raises(ApiError, match="'lookup' must be true or false"):
+        parse_completion(dict(body, lookup=1), True, GREEDY, 2048)

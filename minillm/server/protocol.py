@@ -96,6 +96,7 @@ def parse_completion(body: dict, chat: bool, defaults: SamplingParams, n_ctx: in
         raise ApiError(400, f"'priority' must be an integer, not {priority!r}", "priority")
     out.request.priority = priority
     out.request.ignore_eos = _flag(body, "ignore_eos")
+    out.request.lookup = _flag(body, "lookup")  # prompt lookup (speculative decoding), as generate --lookup
     return out
 
 
