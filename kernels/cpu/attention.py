@@ -237,7 +237,7 @@ def _run_cells(pos, part, parts):
 def head_jobs(units, q_pos, window, n_slots, n_heads, group, max_heads, n_jobs):
     """Share out the (unit, head) pairs, unit-major, as n_jobs contiguous runs of about equal
     work (a head of a unit costs the cells the unit visits): each thread gets one run, wherever
-    it falls, so 9 heads make 5 + 4 rather than 3 jobs of 3 for 2 threads. Each run is cut into
+    it falls, so 9 heads make 4 + 5 rather than 3 jobs of 3 for 2 threads. Each run is cut into
     pieces within one KV head's group (a piece's heads share one walk over the cells) of at
     most max_heads heads. units (U, 3): (row t, run, runs); returns pieces (N, 3) of (unit,
     first head, heads) and starts (n_jobs + 1,): job j's pieces are pieces[starts[j]:starts[j + 1]]."""
