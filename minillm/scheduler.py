@@ -522,7 +522,7 @@ class Scheduler:
             if not handle._t_first:
                 handle._t_first = now
                 handle.timings.prompt_s = now - handle._t_admit
-            if handle._speculation is not None:
+            if handle._speculation is not None and handle.timings.n_generated:  # not its prompt's step
                 self._time_pass(handle._speculation, len(rows), step_s, len(outputs))
             self._sample_rows(handle, rows, guesses)
 
