@@ -45,7 +45,8 @@ class Matrix:
             return
         pack = self._pack_lanes if fmt.product == "lanes" else self._pack_tiles
         data, scale, bias, offset, bits, sb = pack(fmt, raw, n_rows, n_cols, release or (lambda r0, r1: None))
-        repacked = fmt.repacked_product and n_rows % REPACK_ROWS == 0 and (GGML_AVX512 or not fmt.repacked_on_avx512_only)
+        repacked = (fmt.repacked_product and n_rows % REPACK_ROWS == 0
+                    and (GGML_AVX512 or not fmt.repacked_on_avx512_only))
         product = fmt.repacked_product if repacked else fmt.product
         self.packed = (data, scale, bias, offset, bits, _NO_FLOATS, n_rows, fmt.group, mm.KIND_IDS[fmt.activation],
                        0, sb, mm.PRODUCT_IDS[product])

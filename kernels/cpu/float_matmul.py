@@ -109,7 +109,8 @@ def _dpbf16(acc, w, w_at, x, x_at, step, K):
     """acc (16,) after one vdpbf16ps over the 32 values from `step` (zero past K)."""
     for j in range(16):
         for e in (step + 2 * j + 1, step + 2 * j):
-            a = fma(w[w_at + e], x[x_at + e], acc[j]) if e < K else fma(np.float32(0), np.float32(0), acc[j])
+            we, xe = (w[w_at + e], x[x_at + e]) if e < K else (np.float32(0.0), np.float32(0.0))
+            a = fma(we, xe, acc[j])
             acc[j] = a if abs(a) >= _FLT_MIN else a * np.float32(0.0)  # FTZ, keeping the sign
 
 

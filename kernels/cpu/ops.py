@@ -154,6 +154,7 @@ def ggml_build(bf16: bool = False) -> str:
         return "avx2"
     return "avx512_bf16" if bf16 and GGML_AVX512_BF16 else "avx512"
 
+
 _AVX2_ONE_BITS = 0x3F800000          # the bits of 1.0f
 _AVX2_SPECIAL_NEG = -0x7E000000      # 0x82000000 as int32
 
