@@ -160,8 +160,8 @@ LANES_FORMATS = [f.name for f in FORMATS if f.quantized and f.product == "lanes"
 @pytest.mark.parametrize("name,n_rows", [(name, 70) for name in LANES_FORMATS] + [("Q4_0", 72)])
 def test_lanes_tiles_hold_the_file_size_and_sum_like_the_portable_path(name, n_rows):
     """The 32-block formats' tiles (kernels/cpu/lanes.py) take the file's bytes (codes at their
-    width, float16 scales); the SIMD loop, the plain-Numba fallback, AVX2's token groups and
-    the widened 5-bit batches give the same bits; and the products match dequantize-then-matmul. Q4_0 with rows in
+    width, float16 scales); the SIMD loop, the plain-Numba fallback, the token groups (AVX2,
+    AVX-512 VNNI) and the widened 5-bit batches give the same bits; and the products match dequantize-then-matmul. Q4_0 with rows in
     eights sums each block first (llama.cpp's repacked q4_0_8x8 arithmetic)."""
     from minillm.kernels.cpu import lanes, layers
 
@@ -178,7 +178,7 @@ def test_lanes_tiles_hold_the_file_size_and_sum_like_the_portable_path(name, n_r
     batch = layers.linear(w, x)  # 12 tokens: 5-bit tiles are widened to bytes first
     one_by_one = np.concatenate([layers.linear(w, x[t:t + 1]) for t in range(12)])
     assert np.array_equal(batch, one_by_one)
-    # 7 tokens: on AVX2 a group of 4 walked together, then 3 alone
+    # 7 tokens: groups walked together (AVX2 one of 4, AVX-512 VNNI three pairs), the rest alone
     assert np.array_equal(layers.linear(w, x[:7]), one_by_one[:7])
 
     q, _, _, _, xd, xs, _, xn4 = layers.quantize(x, mm.KIND_IDS[fmt.activation])

@@ -19,9 +19,10 @@ Per block b, for the 8 lanes l and rows r (one token; dd = d_w * d_x):
 With block_sums (Q4_0 matrices whose rows come in eights, which llama.cpp repacks for its
 q4_0_8x8 gemv/gemm, one arithmetic for every batch size) a block's lanes are summed first:
     acc[r] = fma(dd[r], float(sum_l lane[l]), acc[r]),    out[r] = acc[r]
-A token's whole walk over a tile is one LLVM loop (lanes_gemv.py); AVX2 walks a batch's tokens
-four at a time (each weight load serving the four), with the same float steps for each; without
-AVX2 the same steps run in plain Numba (_tile_portable).
+A token's whole walk over a tile is one LLVM loop (lanes_gemv.py); a batch's tokens walk it
+GROUP_TOKENS at a time (each weight load serving them all: AVX2 fours, AVX-512 VNNI pairs of
+4- and 5-bit codes), with the same float steps for each; without AVX2 the same steps run in
+plain Numba (_tile_portable).
 """
 import mmap
 import sys
@@ -168,17 +169,17 @@ BATCH_WALK_MIN_TOKENS = 4
 
 @nb.njit(cache=True, nogil=True)  # not inlined: the three calls of qmatmul_lanes3 share one copy
 def _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, nt):
-    """The rows of tile nt, every token (the tile stays in L1): on AVX2, batches GROUP_TOKENS
-    tokens a walk, then one token at a time."""
+    """The rows of tile nt, every token (the tile stays in L1): batches GROUP_TOKENS tokens a
+    walk (but for Q4_0's block sums, and bytes on AVX-512 VNNI), then one token at a time."""
     T, n_blk = out.shape[0], xd.shape[1]
     w_off = nt * n_blk * block_bytes(bits, has_min)
     if HAS_INT8_DOT and bits == 5 and T >= WIDEN_MIN_TOKENS:
         data, w_off, bits = _widen_5(data, w_off, n_blk, has_min), 0, 8
     acc = np.empty(GROUP_TOKENS * 9 * R, np.float32)  # per token: (lane, row) accumulators, then summs (row)
     t = 0
-    if HAS_INT8_DOT and not HAS_VNNI and not block_sums and T >= BATCH_WALK_MIN_TOKENS:
+    if HAS_INT8_DOT and not block_sums and T >= GROUP_TOKENS and (bits < 8 or not HAS_VNNI):
         while T - t >= GROUP_TOKENS:
-            _group_vnni(data, w_off, xq, t * n_blk * 32, xd, xs, t * n_blk, n_blk, offset, bits, has_min, acc)
+            _group_vnni(data, w_off, xq, t * n_blk * 32, xd, xs, xn4, t * n_blk, n_blk, offset, bits, has_min, acc)
             for k in range(GROUP_TOKENS):
                 _store_row(acc[k * 9 * R:], out, t + k, nt, has_min, False)
             t += GROUP_TOKENS
@@ -237,20 +238,20 @@ def _tile_vnni(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, bits, 
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _group_vnni(data, w_off, xq, x_off, xd, xs, b_off, n_blk, offset, bits, has_min, acc):
-    """GROUP_TOKENS tokens from x_off (AVX2 batches; lanes_gemv._token_group)."""
+def _group_vnni(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, bits, has_min, acc):
+    """GROUP_TOKENS tokens from x_off (lanes_gemv._token_group_512, _token_group)."""
     if bits == 4 and has_min:
-        group_4_min(data, w_off, xq, x_off, xd, xs, b_off, n_blk, offset, acc)
+        group_4_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
     elif bits == 4:
-        group_4(data, w_off, xq, x_off, xd, xs, b_off, n_blk, offset, acc)
+        group_4(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
     elif bits == 5 and has_min:
-        group_5_min(data, w_off, xq, x_off, xd, xs, b_off, n_blk, offset, acc)
+        group_5_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
     elif bits == 5:
-        group_5(data, w_off, xq, x_off, xd, xs, b_off, n_blk, offset, acc)
+        group_5(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
     elif has_min:
-        group_8_min(data, w_off, xq, x_off, xd, xs, b_off, n_blk, offset, acc)
+        group_8_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
     else:
-        group_8(data, w_off, xq, x_off, xd, xs, b_off, n_blk, offset, acc)
+        group_8(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

@@ -11,8 +11,9 @@ as one LLVM loop: per 32-column block b, with the tile's R = 32 rows as 2 x 16 v
 
 and stores acc (8, R) then summs (R,) to out: the same float steps, in the same order, as
 ggml's. Codes are 8, 4 or 5 bits wide; d_w and m_w float16, after each block's codes.
-On AVX2, a batch's tokens walk a tile four at a time (_token_group), lane pair by lane pair,
-with the same float steps for each token."""
+A batch's tokens walk a tile several at a time, with the same float steps for each token: on
+AVX2 four, lane pair by lane pair (_token_group); with AVX-512 VNNI two, half the rows a pass
+(_token_group_512)."""
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -81,11 +82,14 @@ def _splat_to(builder, value, vector_type):
 
 def _lane_x(builder, xp, xnp, b, xb, lane, offset, c, n):
     """For block b and lane `lane`: the 4 activation bytes in each of n int32 lanes (<4n x i8>),
-    and the dot product's start, -offset * their code sum (<n x i32>): lane - shift, exactly."""
+    and the dot product's start, -offset * their code sum (<n x i32>): lane - shift, exactly.
+    offset None: the codes need no shift (formats with a min), the start is 0."""
     i32s = ir.VectorType(_I32, n)
     x4 = builder.load(builder.bitcast(builder.gep(xp, [builder.add(builder.mul(b, c(32)), c(4 * lane))]),
                                       _I32.as_pointer()), align=1)
     xv = builder.bitcast(_splat_to(builder, x4, i32s), ir.VectorType(ir.IntType(8), 4 * n))
+    if offset is None:
+        return xv, ir.Constant(i32s, None)
     n4 = builder.load(builder.gep(xnp, [builder.add(builder.mul(xb, c(8)), c(lane))]))
     return xv, _splat_to(builder, builder.neg(builder.mul(offset, n4)), i32s)
 
@@ -144,7 +148,7 @@ def _quarters(builder, fma, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, 
     dd = builder.fmul(_halves8(builder, wp, wb, code_bytes, first, c), xd)
     news, total = [], None
     for lane in range(8):
-        xv, start = _lane_x(builder, xp, xnp, b, xb, lane, offset, c, 8)
+        xv, start = _lane_x(builder, xp, xnp, b, xb, lane, None if has_min else offset, c, 8)
         lanes = dpbusd8(builder, start, _codes(builder, wp, wb, bits, lane, first, 8, c), xv, small=bits < 8)
         if block_sums:  # the block's exact sum in lane 0's accumulator, the others stay 0
             total = lanes if total is None else builder.add(total, lanes)
@@ -219,6 +223,70 @@ def _token_group(builder, fma, wp, xp, xdp, xsp, outp, b_o, n_blk, offset, c, bi
         end_quarters([])
 
 
+def _token_group_512(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, n_tok):
+    """AVX-512, n_tok consecutive tokens of a batch against the tile: the walk goes in passes of
+    16 // n_tok lanes over one half of the rows (16), so that the n_tok * lanes accumulators
+    stay in registers and each code load (and nibble unpacking) serves every token. Each
+    accumulator takes the fmas of _one_pass, block by block: the same floats. out as
+    _token_group's."""
+    code_bytes = CODE_BYTES[bits]
+    block_bytes = code_bytes + 2 * R * (2 if has_min else 1)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X16, [_F32X16] * 3), "llvm.fma.v16f32")
+    zero_f = ir.Constant(_F32X16, None)
+    n_lanes = 16 // n_tok
+    x_at = [builder.mul(c(32 * k), n_blk) for k in range(n_tok)]
+    b_at = [builder.add(b_o, builder.mul(c(k), n_blk)) for k in range(n_tok)]
+
+    def store(res, k, slot, first):  # token k's 16 rows from `first` of accumulator slot (lane, or 8: summs)
+        at = builder.add(builder.add(c(9 * R * k), builder.mul(slot, c(R))), first)
+        builder.store(res, builder.bitcast(builder.gep(outp, [at]), _F32X16.as_pointer()), align=4)
+
+    def block_value(k, b, array):  # token k's value of block b in every lane
+        return _splat_to(builder, builder.load(builder.gep(array, [builder.add(b_at[k], b)])), _F32X16)
+
+    p, _, end_passes = open_loop(builder, c(2 * 8 // n_lanes), [])
+    half = builder.urem(p, c(2))
+    first = builder.mul(half, c(16))  # the pass's rows
+    lane0 = builder.mul(builder.udiv(p, c(2)), c(n_lanes))
+    lanes_at = [builder.add(lane0, c(j)) for j in range(n_lanes)]
+    b, accs, finish = open_loop(builder, n_blk, [zero_f] * (n_tok * n_lanes))
+    wb = builder.mul(b, c(block_bytes))
+    dw = builder.fpext(builder.bitcast(_load(builder, wp, builder.add(wb, builder.add(c(code_bytes), builder.mul(
+        first, c(2)))), _I16X16), _F16X16), _F32X16)
+    codes = [_codes(builder, wp, wb, bits, (builder.udiv(lane, c(2)), j % 2), first, 16, c)
+             for j, lane in enumerate(lanes_at)]  # n_lanes is even: lane0 + j has j's parity
+    news = []
+    for k in range(n_tok):
+        dd = builder.fmul(dw, block_value(k, b, xdp))
+        xb = builder.add(b_at[k], b)
+        for j, lane in enumerate(lanes_at):
+            col = builder.add(x_at[k], builder.add(builder.mul(b, c(32)), builder.mul(lane, c(4))))
+            x4 = builder.load(builder.bitcast(builder.gep(xp, [col]), _I32.as_pointer()), align=1)
+            xv = builder.bitcast(_splat_to(builder, x4, _I32X16), _I8X64)
+            if has_min:
+                start = ir.Constant(_I32X16, None)
+            else:
+                n4 = builder.load(builder.gep(xnp, [builder.add(builder.mul(xb, c(8)), lane)]))
+                start = _splat_to(builder, builder.neg(builder.mul(offset, n4)), _I32X16)
+            sums = dpbusd(builder, start, codes[j], xv, small=bits < 8)
+            news.append(builder.call(fma, [dd, builder.sitofp(sums, _F32X16), accs[k * n_lanes + j]]))
+    results = finish(news)
+    for k in range(n_tok):
+        for j, lane in enumerate(lanes_at):
+            store(results[k * n_lanes + j], k, lane, first)
+    end_passes([])
+    if has_min:
+        b, accs, finish = open_loop(builder, n_blk, [zero_f] * (2 * n_tok))
+        wb = builder.mul(b, c(block_bytes))
+        mins = [builder.fpext(builder.bitcast(_load(builder, wp, builder.add(wb, c(code_bytes + 2 * R + 32 * h)),
+                                                    _I16X16), _F16X16), _F32X16) for h in range(2)]
+        results = finish([builder.call(fma, [mins[h], block_value(k, b, xsp), accs[2 * k + h]])
+                          for k in range(n_tok) for h in range(2)])
+        for k in range(n_tok):
+            for h in range(2):
+                store(results[2 * k + h], k, c(8), c(16 * h))
+
+
 def _one_pass(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, block_sums):
     """The tile's 32 rows in one walk over its blocks: 16 accumulators of 16 floats (AVX-512's
     registers; on AVX2 a lone token, and each token of a batch of 2 or 3)."""
@@ -240,7 +308,7 @@ def _one_pass(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits,
     dd = [builder.fmul(halves(32 * h), xdv) for h in range(2)]
     news, totals = [], [None, None]
     for lane in range(8):
-        xv, start = _lane_x(builder, xp, xnp, b, xb, lane, offset, c, 16)
+        xv, start = _lane_x(builder, xp, xnp, b, xb, lane, None if has_min else offset, c, 16)
         for h in range(2):
             codes = _codes(builder, wp, wb, bits, lane, 16 * h, 16, c)
             lanes = (_dot4(builder, codes, xv, offset, True) if bits == 8 and not HAS_VNNI
@@ -309,19 +377,23 @@ gemv_8, gemv_8_min = _make(8, False), _make(8, True)
 
 def _make_group(bits: int, has_min: bool, n_tok: int):
     @intrinsic
-    def lanes_group(typingctx, w, w_off, x, x_off, xd, xs, b_off, n_blk, offset, out):
-        """AVX2: n_tok tokens of a batch against the tile at w_off (_token_group), the first's
-        codes from x_off and its xd/xs from b_off; out (n_tok * 9 R,)."""
-        sig = types.void(w, types.intp, x, types.intp, xd, xs, types.intp, types.intp, types.int32, out)
+    def lanes_group(typingctx, w, w_off, x, x_off, xd, xs, xn4, b_off, n_blk, offset, out):
+        """n_tok tokens of a batch against the tile at w_off (_token_group_512 with AVX-512
+        VNNI, else _token_group), the first's codes from x_off and its xd/xs/xn4 from b_off;
+        out (n_tok * 9 R,)."""
+        sig = types.void(w, types.intp, x, types.intp, xd, xs, xn4, types.intp, types.intp, types.int32, out)
 
         def codegen(context, builder, signature, args):
-            (w_a, w_o, x_a, x_o, xd_a, xs_a, b_o, n_blk, offset, out_a) = args
+            (w_a, w_o, x_a, x_o, xd_a, xs_a, xn_a, b_o, n_blk, offset, out_a) = args
             a = signature.args
             wp = builder.bitcast(builder.gep(_data(context, builder, a[0], w_a), [w_o]), ir.IntType(8).as_pointer())
             xp = builder.bitcast(builder.gep(_data(context, builder, a[2], x_a), [x_o]), ir.IntType(8).as_pointer())
-            xdp, xsp = _data(context, builder, a[4], xd_a), _data(context, builder, a[5], xs_a)
-            outp = _data(context, builder, a[9], out_a)
+            xdp, xsp, xnp = (_data(context, builder, a[i], v) for i, v in ((4, xd_a), (5, xs_a), (6, xn_a)))
+            outp = _data(context, builder, a[10], out_a)
             c = lambda v: ir.Constant(w_o.type, v)  # noqa: E731
+            if HAS_VNNI:
+                _token_group_512(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, n_tok)
+                return context.get_dummy_value()
             fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X8, [_F32X8] * 3),
                                                   "llvm.fma.v8f32")
             _token_group(builder, fma8, wp, xp, xdp, xsp, outp, b_o, n_blk, offset, c, bits, has_min, n_tok)
@@ -332,10 +404,14 @@ def _make_group(bits: int, has_min: bool, n_tok: int):
     return lanes_group
 
 
-# AVX2 batches: GROUP_TOKENS tokens a walk of the tile (lanes.py), two lanes a pass. Over
+# Batches walk a tile GROUP_TOKENS tokens at a time (lanes.py). AVX2: two lanes a pass; over
 # SmolLM2's Q4_1 matrices and its Q8_0 output product these were the fastest of (lanes, tokens)
 # (2, 4), (2, 3), (1, 4), (1, 8), (2, 6), (4, 2); against a token at a time 1.3-1.7x and 1.2-1.3x.
-GROUP_TOKENS = 4
+# AVX-512 VNNI: pairs of tokens, eight lanes over half the rows a pass, for 4- and 5-bit codes
+# (one unpacking serves both tokens): SmolLM2's Q4_1 matrices 1.16-1.25x a token at a time from
+# 2 to 8 tokens, Q5_0/Q5_1 1.1-1.3x below 8 (from 8 the 5-bit tile is widened to bytes); fours
+# were no faster, and bytes (Q8_0) were slower than a token at a time (0.6-0.8x).
+GROUP_TOKENS = 2 if HAS_VNNI else 4
 group_4, group_4_min = _make_group(4, False, GROUP_TOKENS), _make_group(4, True, GROUP_TOKENS)
 group_5, group_5_min = _make_group(5, False, GROUP_TOKENS), _make_group(5, True, GROUP_TOKENS)
 group_8, group_8_min = _make_group(8, False, GROUP_TOKENS), _make_group(8, True, GROUP_TOKENS)
