@@ -24,7 +24,7 @@ import numba as nb
 import numpy as np
 
 from .errors import MinillmError
-from .imatrix_file import Entry, Imatrix
+from .imatrix_file import Collector, Imatrix
 from .perplexity import _nll
 
 MIN_UBATCH_ROWS = 16          # llama-imatrix ignores products of fewer rows
@@ -40,11 +40,22 @@ def _accumulate(x, sum2, sum1):
             sum1[j] += x[t, j]
 
 
+@nb.njit(cache=True, nogil=True)
+def _accumulate_squares(x, sum2):
+    """sum2 += x^2 over the rows of x (an entry from a legacy file keeps no sum of x)."""
+    for t in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            sum2[j] += x[t, j] * x[t, j]
+
+
 class ActivationRecorder:
     """Installed as the architecture's `recorder`: the layers then run over operations that
-    hand every weight product's input here first (the same kernels: nothing else changes)."""
+    hand every weight product's input here first (the same kernels: nothing else changes).
+    The sums go to the collector's entries (those of files loaded before included), and each
+    count it hears of right away: llama-imatrix writes its periodic files at that point, in the
+    middle of a ubatch."""
 
-    def __init__(self, arch, process_output: bool = False):
+    def __init__(self, arch, collector: Collector, process_output: bool = False):
         self.names = {}                              # id(packed weight tuple) -> tensor name
         for il, layer in enumerate(arch.layers):
             for value, source in zip(layer, arch.layer_sources(il)):
@@ -52,7 +63,8 @@ class ActivationRecorder:
                     self.names[id(value)] = source[0]
         if process_output:
             self.names[id(arch.output.packed)] = arch.output.name
-        self.entries: dict[str, Entry] = {}
+        self.collector = collector
+        self.entries = self.collector.entries
         self.collecting = True
         self.layer_function = arch.layer_with_ops(self._recording_ops(arch.layer_function.py_func.__globals__["ops"]))
 
@@ -77,13 +89,16 @@ class ActivationRecorder:
         if not self.collecting:
             return
         for name in dict.fromkeys(self.names[id(w)] for w in weights if id(w) in self.names):
-            e = self.entries.get(name)
-            if e is None:
-                e = self.entries[name] = Entry.empty(x.shape[1])
-            _accumulate(x, e.sum2, e.sum1)
-            e.counts[0] += x.shape[0]
+            e = self.collector.entry_for(name, x.shape[1])
+            if e.sum1 is None:
+                _accumulate_squares(x, e.sum2)
+            else:
+                _accumulate(x, e.sum2, e.sum1)
             if not np.all(np.isfinite(e.sum2)):
                 raise MinillmError(f"non-finite values detected in the inputs of {name}")
+            for i in range(e.counts.size):
+                e.counts[i] += x.shape[0]
+                self.collector.counted(int(e.counts[i]))
 
 
 @dataclass
@@ -127,14 +142,22 @@ def ubatches(n_seqs: int, n_tokens: int, n_ubatch: int, n_streams: int):
 
 def compute_imatrix(model, text: str, dataset: str, n_ctx: int = 512, n_batch: int = 2048, n_ubatch: int = 512,
                     n_chunks: int | None = None, process_output: bool = False, compute_ppl: bool = True,
-                    progress=None) -> ImatrixResult:
+                    progress=None, first_chunk: int = 0, collector: Collector | None = None) -> ImatrixResult:
     """The importance matrix of the model over the text (see the module's docstring). dataset:
     the name the file records (llama-imatrix: the -f path as given). progress(done, total, ppl)
-    after each group of chunks."""
+    after each group of chunks. first_chunk: skip the text's first chunks (llama-imatrix
+    --chunk; at least two must remain, and a token more). collector: where the sums go, with
+    the files loaded before (a Collector(n_ctx) of its own if None); its on_chunks hears of
+    every new chunk count."""
     if model.backend is not None:
         raise MinillmError("the importance matrix is computed on the CPU: pass --device cpu")
     tok = model.tokenizer
     tokens = tok.tokenize(text, special=False)
+    if first_chunk > 0:
+        if (first_chunk + 2) * n_ctx >= len(tokens):
+            raise MinillmError(f"the text is {len(tokens)} tokens: starting from chunk {first_chunk} of {n_ctx} "
+                               f"tokens leaves fewer than two chunks (and a token)")
+        tokens = tokens[first_chunk * n_ctx:]
     if len(tokens) < 2 * n_ctx:
         raise MinillmError(f"the text is {len(tokens)} tokens; an importance matrix with a context of {n_ctx} "
                            f"needs at least {2 * n_ctx} (a longer text, or a smaller -c)")
@@ -144,7 +167,11 @@ def compute_imatrix(model, text: str, dataset: str, n_ctx: int = 512, n_batch: i
     n_seq = max(1, n_batch // n_ctx)
     n_batch = min(n_batch, n_seq * n_ctx)
     n_ubatch = min(n_ubatch, n_batch)
-    recorder = ActivationRecorder(model.arch, process_output)
+    if collector is None:
+        collector = Collector(n_ctx)
+    elif collector.n_ctx != n_ctx:
+        raise ValueError(f"the collector counts chunks of {collector.n_ctx} tokens, not {n_ctx}")
+    recorder = ActivationRecorder(model.arch, collector, process_output)
     bos = tok.bos_id if tok.add_bos and tok.bos_id is not None else None
     nll_total, n_scored = 0.0, 0
     model.arch.recorder = recorder
@@ -174,9 +201,7 @@ def compute_imatrix(model, text: str, dataset: str, n_ctx: int = 512, n_batch: i
         model.arch.recorder = None
     if not recorder.entries:
         raise MinillmError("no weight products were recorded (chunks of fewer than 16 tokens per step?)")
-    chunk_count = max((int(e.counts.max()) + n_ctx // 2) // n_ctx for e in recorder.entries.values())
-    imatrix = Imatrix(recorder.entries, [dataset], chunk_count, n_ctx)
-    return ImatrixResult(imatrix, n_chunk, float(np.exp(nll_total / n_scored)) if n_scored else None)
+    return ImatrixResult(collector.imatrix(dataset), n_chunk, float(np.exp(nll_total / n_scored)) if n_scored else None)
 
 
 def _scored_nll(logits: np.ndarray, chunk: np.ndarray, start: int, n_ctx: int) -> np.ndarray:

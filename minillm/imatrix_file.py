@@ -6,8 +6,10 @@ imatrix.chunk_size, imatrix.stats_schema; per weight tensor NAME, in name order:
     NAME.counts   (1, n_mat)   float32  rows summed
     NAME.in_sum   (ne0, n_mat) float32  sum of x (the activations' mean, for statistics)
     NAME.stats    (12,)        float32  the statistics of imatrix.stats_schema (statistics())
-The legacy `.dat` files (no in_sum, one count) are read too. A quantizer uses, per column,
-in_sum2 / count (imatrix_weights).
+(and imatrix.n_layer_nextn where the model has NextN layers). The legacy `.dat` format (no
+in_sum, one count: sums / count * chunks) is read and written too (to_dat_bytes). A quantizer
+uses, per column, in_sum2 / count (Imatrix.weights). Collector combines files and new sums by
+llama-imatrix's rules (load_imatrix).
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class Imatrix:
     chunk_size: int = 0
     legacy: bool = False
     path: Path | None = None
+    n_layer_nextn: int = 0      # how many of the top blocks are NextN (MTP) layers
 
     def weights(self, name: str) -> np.ndarray | None:
         """The column importances llama-quantize hands the quantizer for tensor `name`: in_sum2
@@ -119,10 +122,17 @@ def _load_gguf(path: Path) -> Imatrix:
             if sum2 is None or counts is None or (sum1 is not None and sum1.size != sum2.size) \
                     or sum2.size % counts.size:
                 raise MinillmError(f"{path}: mismatched sums and counts for {base}")
-            entries[base] = Entry(sum2, np.round(counts).astype(np.int64), sum1)
+            if not np.all(np.isfinite(counts)) or np.any(np.abs(counts) >= 2.0**62):
+                raise MinillmError(f"{path}: non-finite or impossible counts for {base}")
+            # lround: halves away from zero
+            entries[base] = Entry(sum2, (np.sign(counts) * np.floor(np.abs(counts) + 0.5)).astype(np.int64), sum1)
         datasets = meta["imatrix.datasets"]
-        return Imatrix(entries, [str(d) for d in datasets] if not isinstance(datasets, str) else [datasets],
-                       int(meta["imatrix.chunk_count"]), int(meta["imatrix.chunk_size"]))
+        try:
+            return Imatrix(entries, [str(d) for d in datasets] if not isinstance(datasets, str) else [datasets],
+                           int(meta["imatrix.chunk_count"]), int(meta["imatrix.chunk_size"]),
+                           n_layer_nextn=int(meta.get("imatrix.n_layer_nextn", 0)))
+        except (TypeError, ValueError):
+            raise MinillmError(f"{path}: malformed imatrix metadata (chunk_count, chunk_size)") from None
 
 
 def _load_legacy(path: Path) -> Imatrix:
@@ -165,13 +175,124 @@ def _load_legacy(path: Path) -> Imatrix:
 
 
 # ---------------------------------------------------------------------------------------------
+# combining (llama-imatrix's collector: load_imatrix, and where the new sums go)
+# ---------------------------------------------------------------------------------------------
+def rows_to_chunks(rows: int, chunk_size: int) -> int:
+    """Rows as chunks, rounded to the nearest (llama-imatrix's chunk counts)."""
+    return (rows + chunk_size // 2) // chunk_size
+
+
+class Collector:
+    """The sums as llama-imatrix holds them while it runs: earlier files added by add(), then
+    the new sums (imatrix.ActivationRecorder, through entry_for and counted); imatrix() is the
+    file to write at any point.
+
+    n_ctx is this run's tokens per chunk (-c): it turns a legacy file's chunk count back into
+    rows and counts the chunks of the new sums. The chunk size recorded is the first loaded GGUF
+    file's, else n_ctx; the chunk count, last_chunk, is the largest count of rows in chunks
+    (when new sums raise it, on_chunks(last_chunk, step) is called: llama-imatrix's moment to
+    write the file). warn(message) hears of mismatched chunk sizes."""
+
+    def __init__(self, n_ctx: int, warn=None):
+        self.n_ctx = n_ctx
+        self.warn = warn or (lambda message: None)
+        self.entries: dict[str, Entry] = {}
+        self.datasets: list[str] = []
+        self.loaded_chunk_size = 0
+        self.n_layer_nextn = 0
+        self.last_chunk = 0
+        self.on_chunks = None
+
+    @property
+    def chunk_size(self) -> int:
+        return self.loaded_chunk_size or self.n_ctx
+
+    def add(self, imatrix: Imatrix) -> None:
+        """Add a loaded file: GGUF sums and counts add up (the activation sums only while every
+        file so far has them); a legacy file's averages count as chunk_size rows per chunk and
+        its entries lose their activation sums. Entries of different sizes are refused."""
+        where = str(imatrix.path) if imatrix.path is not None else "the importance matrix"
+        if imatrix.n_layer_nextn > 0:
+            if self.n_layer_nextn == 0:
+                self.n_layer_nextn = imatrix.n_layer_nextn
+            elif self.n_layer_nextn != imatrix.n_layer_nextn:
+                self.warn(f"{where} has {imatrix.n_layer_nextn} NextN layers, the files before "
+                          f"{self.n_layer_nextn}: keeping {self.n_layer_nextn}")
+        if not imatrix.legacy and imatrix.chunk_size > 0:
+            if self.loaded_chunk_size == 0:
+                self.loaded_chunk_size = imatrix.chunk_size
+            elif self.loaded_chunk_size != imatrix.chunk_size:
+                self.warn(f"{where} has chunks of {imatrix.chunk_size} tokens, the files before "
+                          f"{self.loaded_chunk_size}: recording {self.loaded_chunk_size}")
+        chunk_size = self.chunk_size
+        for name in sorted(imatrix.entries):
+            new, e = imatrix.entries[name], self.entries.get(name)
+            nval = new.sum2.size
+            if e is not None and e.sum2.size != nval:
+                raise MinillmError(f"{where}: {name} holds {nval} values, the files before {e.sum2.size} "
+                                   f"(another model's importance matrix?)")
+            if imatrix.legacy:
+                if e is None:
+                    e = self.entries[name] = Entry(np.zeros(nval, _F32), np.zeros(1, np.int64), None)
+                e.sum2 += new.sum2 * _F32(chunk_size)
+                e.counts += int(new.counts[0]) * chunk_size
+                e.sum1 = None
+                continue
+            first = e is None
+            if first:
+                e = self.entries[name] = Entry(np.zeros(nval, _F32), np.zeros(new.counts.size, np.int64), None)
+            elif e.counts.size == 1 and new.counts.size > 1:
+                e.counts = np.full(new.counts.size, e.counts[0], np.int64)
+            elif e.counts.size != new.counts.size:
+                raise MinillmError(f"{where}: {name} holds {new.counts.size} counts (matrices), the files "
+                                   f"before {e.counts.size}")
+            e.sum2 += new.sum2
+            e.counts += new.counts
+            if new.sum1 is not None and (first or e.sum1 is not None):
+                if e.sum1 is None:
+                    e.sum1 = np.zeros(nval, _F32)
+                e.sum1 += new.sum1
+            else:
+                e.sum1 = None
+        self.datasets += imatrix.datasets
+        self.last_chunk = rows_to_chunks(max([0, *(int(c) for e in self.entries.values() for c in e.counts)]),
+                                         chunk_size)
+
+    def entry_for(self, name: str, ne0: int) -> Entry:
+        """The entry that new sums of a weight with ne0 input columns go to."""
+        e = self.entries.get(name)
+        if e is None:
+            e = self.entries[name] = Entry.empty(ne0)
+            return e
+        if e.counts.size > 1 and np.all(e.counts == e.counts[0]):
+            e.counts = e.counts[:1].copy()           # one count per dense tensor
+        if e.sum2.size != ne0:
+            raise MinillmError(f"{name} takes inputs of {ne0} columns, but the importance matrix loaded holds "
+                               f"{e.sum2.size} values for it (another model's?)")
+        return e
+
+    def counted(self, rows: int) -> None:
+        """An entry's count of rows is now `rows`: the chunk count follows."""
+        n_chunk = rows_to_chunks(rows, self.n_ctx)
+        if n_chunk > self.last_chunk:
+            step, self.last_chunk = n_chunk - self.last_chunk, n_chunk
+            if self.on_chunks is not None:
+                self.on_chunks(n_chunk, step)
+
+    def imatrix(self, dataset: str | None = None) -> Imatrix:
+        """The file as it stands (sharing the sums), with this run's text, if any, last."""
+        return Imatrix(self.entries, self.datasets + ([dataset] if dataset else []), self.last_chunk,
+                       self.chunk_size, n_layer_nextn=self.n_layer_nextn)
+
+
+# ---------------------------------------------------------------------------------------------
 # statistics (llama-imatrix's compute_vector_statistics and compute_tensor_statistics, in
 # double precision in C's order, stored as float32)
 # ---------------------------------------------------------------------------------------------
 @dataclass
-class _TensorStats:
-    total: float = 0.0          # sum of the mean squares
-    mean: float = 0.0           # of the mean activations
+class TensorStats:
+    total: float = 0.0          # sum of the mean squares (double)
+    mean: float = 0.0           # of the mean activations (a legacy entry: of the mean squares)
     elements: int = 0
     std_deviation: float = 0.0
     skewness: float = 0.0
@@ -183,13 +304,83 @@ class _TensorStats:
     pearson: float = _NAN
     covariance: float = _NAN
     legacy: bool = False
+    # the sums against the preceding layer's tensor, for the layer statistics
+    dot_prod: float = 0.0
+    norm1_sq: float = 0.0
+    norm2_sq: float = 0.0
+    l2_dist_sq: float = 0.0
+    cov_sum: float = 0.0
+    var_c_sum: float = 0.0
+    var_p_sum: float = 0.0
+    n_features: int = 0
+    total_prev: float = 0.0
+    elements_prev: int = 0
+
+    @property
+    def h_norm(self) -> float:
+        """The entropy of the mean squares as a percentage of the largest possible."""
+        if self.elements <= 1:
+            return _NAN
+        return float(_F32(100.0) * (_F32(self.entropy) / _F32(_libm.log2f(float(self.elements)))))
 
 
 def _f32(v: float) -> float:
     return float(_F32(v))
 
 
-def _vector_statistics(e: Entry) -> _TensorStats | None:
+_STOI = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")
+
+
+def stoi(text: str) -> int | None:
+    """C++'s std::stoi: the leading integer, or None where it throws."""
+    m = _STOI.match(text)
+    if m is None or not -2**31 <= int(m.group(1)) < 2**31:
+        return None
+    return int(m.group(1))
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """llama-imatrix's process_tensor_name: (the block, "-" if none; the name as its tables
+    sort it)."""
+    parts = name.split(".")
+    if name.endswith(".") or name == "":
+        parts = parts[:-1]                       # getline yields no empty last field
+    layer = next((parts[i + 1] for i in range(len(parts) - 1) if parts[i] == "blk"), "")
+    tensor = ""
+    if "weight" in parts[1:]:
+        i = parts.index("weight", 1)
+        j = 0
+        while j < len(parts):
+            if parts[j] == "blk":
+                j += 2 if len(parts) > 4 else 3
+                continue
+            if j == i:
+                break
+            tensor += ("." if tensor else "") + parts[j]
+            j += 1
+    return layer or "-", tensor or name
+
+
+def nextn_start(stats: dict[str, TensorStats], n_layer_nextn: int) -> int:
+    """The first NextN block (INT_MAX when none)."""
+    max_blk, first = -1, _INT_MAX
+    for name in stats:
+        layer, tensor = split_name(name)
+        blk = stoi(layer)
+        if blk is None:
+            continue
+        max_blk = max(max_blk, blk)
+        if tensor.startswith("nextn."):
+            first = min(first, blk)
+    if n_layer_nextn > 0 and max_blk >= 0:
+        return max(0, max_blk + 1 - n_layer_nextn)
+    return first
+
+
+_INT_MAX = 2**31 - 1
+
+
+def _vector_statistics(e: Entry) -> TensorStats | None:
     legacy = e.sum1 is None
     n_mat = e.counts.size
     row = e.sum2.size // n_mat
@@ -221,8 +412,8 @@ def _vector_statistics(e: Entry) -> _TensorStats | None:
             if p > 1e-10:
                 entropy -= p * math.log(p) * log2_inv
     variance = sum_sq / n if n > 1 else 0.0
-    st = _TensorStats(total, _f32(mean), n, _f32(math.sqrt(_f32(max(variance, 0.0)))), entropy=_f32(entropy),
-                      legacy=legacy)
+    st = TensorStats(total, _f32(mean), n, _f32(math.sqrt(_f32(max(variance, 0.0)))), entropy=_f32(entropy),
+                     legacy=legacy)
     if st.std_deviation > _TINY:
         m2 = sum_sq / n
         st.skewness = _f32(sum_cu / n / (m2 * math.sqrt(m2)))
@@ -243,10 +434,7 @@ def _averages(e: Entry, use_activations: bool) -> np.ndarray | None:
     return out if valid else None
 
 
-_BLOCK = re.compile(r"blk\.(\d+)\.")
-
-
-def _layer_change(cur: Entry, prev: Entry, st: _TensorStats, prev_st: _TensorStats):
+def _layer_change(cur: Entry, prev: Entry, st: TensorStats, prev_st: TensorStats):
     """The statistics against the same tensor of an earlier layer: L2 distance, cosine
     similarity, Pearson correlation and covariance of the mean activations, and the gain."""
     use_act = not st.legacy and not prev_st.legacy
@@ -273,6 +461,8 @@ def _layer_change(cur: Entry, prev: Entry, st: _TensorStats, prev_st: _TensorSta
         cov += dc * dp
         var_c += dc * dc
         var_p += dp * dp
+    st.n_features, st.dot_prod, st.norm1_sq, st.norm2_sq = n, dot, n1, n2
+    st.cov_sum, st.var_c_sum, st.var_p_sum, st.l2_dist_sq = cov, var_c, var_p, l2
     st.l2_dist = _f32(math.sqrt(l2))
     if n > 1:
         st.covariance = _f32(cov / n)
@@ -286,33 +476,44 @@ def _layer_change(cur: Entry, prev: Entry, st: _TensorStats, prev_st: _TensorSta
         st.pearson = _NAN if var_c == 0.0 and var_p == 0.0 else 0.0
     if prev_st.total > _TINY:
         st.gain = _f32(math.sqrt(st.total / st.elements) / math.sqrt(prev_st.total / prev_st.elements))
+        st.total_prev, st.elements_prev = prev_st.total, prev_st.elements
     else:
         st.gain = 1.0 if st.total <= _TINY else _NAN
 
 
-def statistics(entries: dict[str, Entry]) -> dict[str, np.ndarray]:
-    """name -> the (12,) float32 .stats tensor (STATS_SCHEMA) llama-imatrix stores."""
+def tensor_statistics(entries: dict[str, Entry], n_layer_nextn: int = 0) -> dict[str, TensorStats]:
+    """Each entry's statistics (none for an entry with nothing counted), those against the same
+    tensor of the nearest earlier block included."""
     stats = {name: _vector_statistics(e) for name, e in entries.items()}
     stats = {name: st for name, st in stats.items() if st is not None}
+    first_nextn = nextn_start(stats, n_layer_nextn) if stats else _INT_MAX
     for name, st in stats.items():
-        m = _BLOCK.search(name)
-        if m is None or int(m.group(1)) <= 0:
+        layer, _ = split_name(name)
+        blk = stoi(layer)
+        if blk is None or blk <= 0 or blk == first_nextn:
             continue
-        for prev in range(int(m.group(1)) - 1, -1, -1):
-            prev_name = name[:m.start(1)] + str(prev) + name[m.end(1):]
+        at = name.find("blk." + layer)
+        if at < 0:
+            continue
+        for prev in range(blk - 1, (first_nextn if blk > first_nextn else 0) - 1, -1):
+            prev_name = name[:at] + f"blk.{prev}" + name[at + len(layer) + 4:]
             if prev_name in stats:
                 _layer_change(entries[name], entries[prev_name], st, stats[prev_name])
                 break
+    return stats
+
+
+def statistics(entries: dict[str, Entry], n_layer_nextn: int = 0) -> dict[str, np.ndarray]:
+    """name -> the (12,) float32 .stats tensor (STATS_SCHEMA) llama-imatrix stores."""
+    stats = tensor_statistics(entries, n_layer_nextn)
     out = {}
     for name in entries:
         st = stats.get(name)
         if st is None:
             out[name] = np.zeros(12, _F32)
             continue
-        h_norm = (_F32(100.0) * (_F32(st.entropy) / _F32(_libm.log2f(float(st.elements)))) if st.elements > 1
-                  else _NAN)
         out[name] = np.array([st.total, st.mean, st.elements, st.std_deviation, st.skewness, st.kurtosis, st.gain,
-                              h_norm, st.l2_dist, st.cossim, st.pearson, st.covariance], _F32)
+                              st.h_norm, st.l2_dist, st.cossim, st.pearson, st.covariance], _F32)
     return out
 
 
@@ -340,9 +541,11 @@ def to_bytes(imatrix: Imatrix) -> bytes:
     kvs = [_string("general.type") + struct.pack("<I", _STRING) + _string("imatrix"),
            _string("imatrix.datasets") + struct.pack("<I", _ARRAY) + _strings(imatrix.datasets),
            _string("imatrix.chunk_count") + struct.pack("<II", _UINT32, imatrix.chunk_count),
-           _string("imatrix.chunk_size") + struct.pack("<II", _UINT32, imatrix.chunk_size),
-           _string("imatrix.stats_schema") + struct.pack("<I", _ARRAY) + _strings(STATS_SCHEMA)]
-    stats = statistics(imatrix.entries)
+           _string("imatrix.chunk_size") + struct.pack("<II", _UINT32, imatrix.chunk_size)]
+    if imatrix.n_layer_nextn > 0:
+        kvs.append(_string("imatrix.n_layer_nextn") + struct.pack("<II", _UINT32, imatrix.n_layer_nextn))
+    kvs.append(_string("imatrix.stats_schema") + struct.pack("<I", _ARRAY) + _strings(STATS_SCHEMA))
+    stats = statistics(imatrix.entries, imatrix.n_layer_nextn)
     tensors = []                                        # (name, shape, float32 data)
     for name in sorted(imatrix.entries, key=lambda n: n.encode("utf-8", "surrogateescape")):
         e = imatrix.entries[name]
@@ -363,3 +566,27 @@ def to_bytes(imatrix: Imatrix) -> bytes:
         raw = np.ascontiguousarray(data, _F32).tobytes()
         parts += [raw, bytes(_pad(len(raw)) - len(raw))]
     return b"".join(parts)
+
+
+def to_dat_bytes(imatrix: Imatrix) -> tuple[bytes, list[str]]:
+    """The legacy `.dat` file llama-imatrix --output-format dat writes for these entries, and
+    the entries it leaves out (nothing counted). Per entry, in name order: the calls, the count
+    in chunks rounded up; the values, sum / count * calls (1 * calls where a matrix counted
+    nothing). Then the chunk count and the last dataset."""
+    chunk_size = imatrix.chunk_size
+    keep = sorted((n for n, e in imatrix.entries.items() if np.any(e.counts != 0)),
+                  key=lambda n: n.encode("utf-8", "surrogateescape"))
+    parts = [struct.pack("<i", len(keep))]
+    for name in keep:
+        e = imatrix.entries[name]
+        raw = name.encode("utf-8", "surrogateescape")
+        ncall = (int(e.counts.max()) + chunk_size - 1) // chunk_size
+        counts = np.repeat(e.counts.astype(_F32), e.sum2.size // e.counts.size)
+        values = e.sum2.copy()
+        values[counts == 0] = 1.0
+        counts[counts == 0] = 1.0
+        parts += [struct.pack("<i", len(raw)), raw, struct.pack("<ii", ncall, e.sum2.size),
+                  ((values / counts) * _F32(ncall)).astype("<f4").tobytes()]
+    dataset = imatrix.datasets[-1].encode("utf-8", "surrogateescape") if imatrix.datasets else b""
+    parts += [struct.pack("<ii", imatrix.chunk_count, len(dataset)), dataset]
+    return b"".join(parts), sorted(set(imatrix.entries) - set(keep))

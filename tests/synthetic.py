@@ -275,3 +275,39 @@ def synthetic_imatrix(model_path, seed: int = 7):
             sum1 = rng.standard_normal(ne0) * np.sqrt(mean_sq) * 1024
             entries[name] = Entry((mean_sq * 1024).astype(np.float32), np.array([1024]), sum1.astype(np.float32))
     return Imatrix(entries, ["synthetic"], 2, 512)
+
+
+def imatrix_inputs(model_path, folder) -> dict[str, Path]:
+    """The importance matrices that tests/llama_ref/record_imatrix.py has llama-imatrix combine
+    and show (and test_imatrix minillm), written into folder: a.gguf, synthetic_imatrix;
+    b.gguf, another (seed 8) of another text, 1536 rows in chunks of 256, without blk.29's
+    entries, one entry without activation sums, one counted as two matrices, and output and
+    token_embd entries; c.dat, a third
+    in the legacy format; bad.gguf, a.gguf with an entry of another size; gap.gguf, a.gguf
+    without blk.10's entries."""
+    from minillm.imatrix_file import Entry, to_bytes, to_dat_bytes
+
+    folder = Path(folder)
+    a = synthetic_imatrix(model_path)
+    b = synthetic_imatrix(model_path, seed=8)
+    b.datasets, b.chunk_size, b.chunk_count = ["other.txt"], 256, 6
+    b.entries = {name: e for name, e in b.entries.items() if not name.startswith("blk.29.")}
+    for e in b.entries.values():
+        e.counts = np.array([1536])
+    b.entries["blk.3.ffn_up.weight"].sum1 = None
+    b.entries["blk.5.attn_q.weight"].counts = np.array([1536, 1024])
+    for name in ("output.weight", "token_embd.weight"):             # outside the blocks
+        e = b.entries["blk.7.attn_k.weight"]
+        b.entries[name] = Entry(e.sum2 * np.float32(1.5), e.counts.copy(), e.sum1 * np.float32(0.5))
+    c = synthetic_imatrix(model_path, seed=9)
+    c.datasets = ["legacy.txt"]
+    bad = synthetic_imatrix(model_path)
+    e = bad.entries["blk.3.ffn_up.weight"]
+    e.sum2, e.sum1 = e.sum2[:288], e.sum1[:288]
+    gap = synthetic_imatrix(model_path)
+    gap.entries = {name: e for name, e in gap.entries.items() if not name.startswith("blk.10.")}
+    files = {"a.gguf": to_bytes(a), "b.gguf": to_bytes(b), "c.dat": to_dat_bytes(c)[0], "bad.gguf": to_bytes(bad),
+             "gap.gguf": to_bytes(gap)}
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return {name: folder / name for name in files}
