@@ -45,30 +45,45 @@ def _exp2_table():
 _EXP2_TABLE = _exp2_table()
 
 
-def _fma64(builder, a, b, c):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F64, [_F64] * 3), "llvm.fma.f64")
-    return builder.call(fn, [a, b, c])
-
-
 def expf_ir(builder, x):
-    """glibc's expf of the float x (x <= 0 or NaN), in line."""
+    """glibc's expf of x (x <= 0 or NaN), in line: x a float, or a vector of floats (each lane
+    the same steps in double)."""
     table = builder.module.globals.get("minillm_exp2f_table")
     if table is None:
         table = cgutils.global_constant(builder.module, "minillm_exp2f_table",
                                         ir.Constant(ir.ArrayType(_I64, 32), _EXP2_TABLE))
-    d = lambda v: ir.Constant(_F64, v)  # noqa: E731
-    xd = builder.fpext(x, _F64)
-    kd = _fma64(builder, d(_INV_LN2_32), xd, d(_ROUND_SHIFT))  # k + shift, k = round(x 32 / ln 2)
-    ki = builder.bitcast(kd, _I64)
+    n = x.type.count if isinstance(x.type, ir.VectorType) else 0
+    f64, i64 = (ir.VectorType(_F64, n), ir.VectorType(_I64, n)) if n else (_F64, _I64)
+    d = lambda v: ir.Constant(f64, [v] * n if n else v)  # noqa: E731
+    i = lambda v: ir.Constant(i64, [v] * n if n else v)  # noqa: E731
+    fma_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f64, [f64] * 3),
+                                            f"llvm.fma.v{n}f64" if n else "llvm.fma.f64")
+    fma64 = lambda a, b, c: builder.call(fma_fn, [a, b, c])  # noqa: E731
+    xd = builder.fpext(x, f64)
+    kd = fma64(d(_INV_LN2_32), xd, d(_ROUND_SHIFT))  # k + shift, k = round(x 32 / ln 2)
+    ki = builder.bitcast(kd, i64)
     kd = builder.fsub(kd, d(_ROUND_SHIFT))
-    r = _fma64(builder, d(_INV_LN2_32), xd, builder.fneg(kd))
-    entry = builder.load(builder.gep(table, [ir.Constant(_I32, 0), builder.and_(ki, ir.Constant(_I64, 31))]))
-    s = builder.bitcast(builder.add(entry, builder.shl(ki, ir.Constant(_I64, 47))), _F64)  # 2^(k/32)
-    z = _fma64(builder, d(_POLY[0]), r, d(_POLY[1]))
-    y = _fma64(builder, d(_POLY[2]), r, d(1.0))
-    y = _fma64(builder, z, builder.fmul(r, r), y)
-    result = builder.fptrunc(builder.fmul(y, s), _F32)
-    return builder.select(builder.fcmp_ordered("<", x, ir.Constant(_F32, _UNDERFLOW)), ir.Constant(_F32, 0.0), result)
+    r = fma64(d(_INV_LN2_32), xd, builder.fneg(kd))
+    index = builder.and_(ki, i(31))
+
+    def entry_at(j):  # the table's entry for lane j (or the scalar)
+        at = builder.extract_element(index, ir.Constant(_I32, j)) if n else index
+        return builder.load(builder.gep(table, [ir.Constant(_I32, 0), at]))
+
+    if n:
+        entry = ir.Constant(i64, None)
+        for j in range(n):
+            entry = builder.insert_element(entry, entry_at(j), ir.Constant(_I32, j))
+    else:
+        entry = entry_at(0)
+    s = builder.bitcast(builder.add(entry, builder.shl(ki, i(47))), f64)  # 2^(k/32)
+    z = fma64(d(_POLY[0]), r, d(_POLY[1]))
+    y = fma64(d(_POLY[2]), r, d(1.0))
+    y = fma64(z, builder.fmul(r, r), y)
+    f32 = ir.VectorType(_F32, n) if n else _F32
+    result = builder.fptrunc(builder.fmul(y, s), f32)
+    zero, underflow = (ir.Constant(f32, [v] * n if n else v) for v in (0.0, _UNDERFLOW))
+    return builder.select(builder.fcmp_ordered("<", x, underflow), zero, result)
 
 
 @intrinsic
@@ -134,8 +149,9 @@ class _Walk:
         self.n_vec = builder.sdiv(dim, self.c(16))
         self.q_buf, self.sums = _stack_floats(builder, WALK_MAX_VALUES), _stack_floats(builder, WALK_MAX_VALUES)
         self.k_row, self.v_row = _stack_floats(builder, _MAX_DIM), _stack_floats(builder, _MAX_DIM)
-        # per (head, cell of the block): the score, then the cell's (ms, vs)
+        # per (cell of the block, head): the score, then the cell's (ms, vs); per head: M and S
         self.scores, self.ms_buf, self.vs_buf = (_stack_floats(builder, _MAX_HEADS * _BLOCK) for _ in range(3))
+        self.m_buf, self.s_buf = _stack_floats(builder, _MAX_HEADS), _stack_floats(builder, _MAX_HEADS)
 
     def c(self, x):
         return ir.Constant(self.n.type, x)
@@ -155,12 +171,16 @@ class _Walk:
         f32 = lambda x: ir.Constant(_F32, x)  # noqa: E731
         self.loop(mul(self.n_heads, self.n_vec),
                   lambda j: b.store(ir.Constant(_F32X16, None), self.vec(self.sums, mul(j, c(16))), align=64))
-        self.loop(self.n_heads, lambda h: (b.store(f32(float("-inf")), b.gep(m_data, [h])),
-                                           b.store(f32(0.0), b.gep(s_data, [h]))))
+        # every head slot starts at M = -inf, S = 0, and the scores of the slots past the heads
+        # at 0: their lanes of the softmax compute on finite values (and are never stored)
+        f32x16 = lambda x: ir.Constant(_F32X16, [x] * 16)  # noqa: E731
+        b.store(f32x16(float("-inf")), self.vec(self.m_buf, c(0)), align=64)
+        b.store(f32x16(0.0), self.vec(self.s_buf, c(0)), align=64)
+        self.loop(c(_BLOCK), lambda i: b.store(f32x16(0.0), self.vec(self.scores, mul(i, c(_MAX_HEADS))), align=64))
         blk, _, finish_blocks = open_loop(b, b.sdiv(add(self.n, c(_BLOCK - 1)), c(_BLOCK)), [])
         first = mul(blk, c(_BLOCK))
         size = b.select(b.icmp_signed("<", b.sub(self.n, first), c(_BLOCK)), b.sub(self.n, first), c(_BLOCK))
-        at = lambda h, i: add(mul(h, c(_BLOCK)), i)  # noqa: E731
+        at = lambda h, i: add(mul(i, c(_MAX_HEADS)), h)  # noqa: E731
 
         def score_cell(i):
             widen_k(add(first, i))
@@ -168,20 +188,26 @@ class _Walk:
 
         self.loop(size, score_cell)
 
-        def softmax_head(h):  # ggml's M and S, and each cell's (ms, vs)
-            i, (m_old, s_old), finish = open_loop(b, size, [b.load(b.gep(m_data, [h])), b.load(b.gep(s_data, [h]))])
-            cell_score = b.load(b.gep(self.scores, [at(h, i)]))
+        def softmax_heads(o):  # ggml's M and S of heads 8o..8o+7, and each cell's (ms, vs)
+            f32x8 = ir.VectorType(_F32, 8)
+            vec8 = lambda buf, at: b.bitcast(b.gep(buf, [at]), f32x8.as_pointer())  # noqa: E731
+            h0 = mul(o, c(8))
+            i, (m_old, s_old), finish = open_loop(b, size, [b.load(vec8(self.m_buf, h0), align=32),
+                                                          b.load(vec8(self.s_buf, h0), align=32)])
+            cell_score = b.load(vec8(self.scores, at(h0, i)), align=32)
             grows = b.fcmp_ordered(">", cell_score, m_old)
             e = expf_ir(b, b.select(grows, b.fsub(m_old, cell_score), b.fsub(cell_score, m_old)))
-            ms, vs = b.select(grows, e, f32(1.0)), b.select(grows, f32(1.0), e)
-            b.store(ms, b.gep(self.ms_buf, [at(h, i)]))
-            b.store(vs, b.gep(self.vs_buf, [at(h, i)]))
-            fma32 = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
-            m_new, s_new = finish([b.select(grows, cell_score, m_old), b.call(fma32, [s_old, ms, vs])])
-            b.store(m_new, b.gep(m_data, [h]))
-            b.store(s_new, b.gep(s_data, [h]))
+            one = ir.Constant(f32x8, [1.0] * 8)
+            ms, vs = b.select(grows, e, one), b.select(grows, one, e)
+            b.store(ms, vec8(self.ms_buf, at(h0, i)), align=32)
+            b.store(vs, vec8(self.vs_buf, at(h0, i)), align=32)
+            fma8 = cgutils.get_or_insert_function(b.module, ir.FunctionType(f32x8, [f32x8] * 3), "llvm.fma.v8f32")
+            m_new, s_new = finish([b.select(grows, cell_score, m_old), b.call(fma8, [s_old, ms, vs])])
+            b.store(m_new, vec8(self.m_buf, h0), align=32)
+            b.store(s_new, vec8(self.s_buf, h0), align=32)
 
-        self.loop(self.n_heads, softmax_head)
+        # the heads side by side, 8 to a vector: each lane's steps are a head's, in cell order
+        self.loop(b.sdiv(add(self.n_heads, c(7)), c(8)), softmax_heads)
         rounded = (lambda x: _f16_round(b, x)) if f16_sums else (lambda x: x)  # noqa: E731
 
         def sum_cell(i):
@@ -204,6 +230,8 @@ class _Walk:
 
         self.loop(size, sum_cell)
         finish_blocks([])
+        self.loop(self.n_heads, lambda h: (b.store(b.load(b.gep(self.m_buf, [h])), b.gep(m_data, [h])),
+                                           b.store(b.load(b.gep(self.s_buf, [h])), b.gep(s_data, [h]))))
 
     def sums_to(self, acc_t, acc_a):
         """The V sums into the array acc (G * D,)."""
