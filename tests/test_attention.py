@@ -45,11 +45,12 @@ def _walk_both(kcache, vcache, row_at, q16, scale):
 
 
 @pytest.mark.parametrize("D, G, n_cells", [(64, 3, 193), (64, 1, 1), (32, 2, 64), (96, 4, 70), (128, 2, 33),
-                                           (256, 4, 100), (64, 3, 0)])
+                                           (256, 4, 100), (64, 3, 0), (64, 12, 70)])
 def test_walk_equals_ggmls_steps_one_cell_at_a_time(D, G, n_cells):
-    """The blocked walk (scores, then softmax, then sums, 32 cells a pass) gives each head
-    exactly the M, S and f16 V sum of ggml's cell-by-cell steps, over cells in any order of the
-    cache's rows, with scores that keep setting new maxima (rising keys) and that do not."""
+    """The blocked walk (scores, then softmax, then sums, 32 cells a pass; the softmax 8 heads
+    a vector, so 12 heads take two) gives each head exactly the M, S and f16 V sum of ggml's
+    cell-by-cell steps, over cells in any order of the cache's rows, with scores that keep
+    setting new maxima (rising keys) and that do not."""
     rng = np.random.default_rng(D * 100 + G * 10 + n_cells)
     rows, n_kv = 300, 2
     kcache = rng.standard_normal((rows, n_kv, D)).astype(np.float16)
