@@ -80,17 +80,20 @@ def _splat_to(builder, value, vector_type):
                                   ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count))
 
 
-def _lane_x(builder, xp, xnp, b, xb, lane, offset, c, n):
-    """For block b and lane `lane`: the 4 activation bytes in each of n int32 lanes (<4n x i8>),
-    and the dot product's start, -offset * their code sum (<n x i32>): lane - shift, exactly.
-    offset None: the codes need no shift (formats with a min), the start is 0."""
+def _lane_x(builder, xp, xnp, b, xb, lane, offset, c, n, x_at=None):
+    """For block b and lane `lane` (a number or an LLVM value): the 4 activation bytes in each
+    of n int32 lanes (<4n x i8>), and the dot product's start, -offset * their code sum
+    (<n x i32>): lane - shift, exactly. offset None: the codes need no shift (formats with a
+    min), the start is 0. x_at: the token's first code, if not at xp; xb: its block b's index."""
     i32s = ir.VectorType(_I32, n)
-    x4 = builder.load(builder.bitcast(builder.gep(xp, [builder.add(builder.mul(b, c(32)), c(4 * lane))]),
+    lane = c(lane) if isinstance(lane, int) else lane
+    col = builder.add(builder.mul(b, c(32)), builder.mul(lane, c(4)))
+    x4 = builder.load(builder.bitcast(builder.gep(xp, [col if x_at is None else builder.add(x_at, col)]),
                                       _I32.as_pointer()), align=1)
     xv = builder.bitcast(_splat_to(builder, x4, i32s), ir.VectorType(ir.IntType(8), 4 * n))
     if offset is None:
         return xv, ir.Constant(i32s, None)
-    n4 = builder.load(builder.gep(xnp, [builder.add(builder.mul(xb, c(8)), c(lane))]))
+    n4 = builder.load(builder.gep(xnp, [builder.add(builder.mul(xb, c(8)), lane)]))
     return xv, _splat_to(builder, builder.neg(builder.mul(offset, n4)), i32s)
 
 
@@ -260,14 +263,7 @@ def _token_group_512(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c
         dd = builder.fmul(dw, block_value(k, b, xdp))
         xb = builder.add(b_at[k], b)
         for j, lane in enumerate(lanes_at):
-            col = builder.add(x_at[k], builder.add(builder.mul(b, c(32)), builder.mul(lane, c(4))))
-            x4 = builder.load(builder.bitcast(builder.gep(xp, [col]), _I32.as_pointer()), align=1)
-            xv = builder.bitcast(_splat_to(builder, x4, _I32X16), _I8X64)
-            if has_min:
-                start = ir.Constant(_I32X16, None)
-            else:
-                n4 = builder.load(builder.gep(xnp, [builder.add(builder.mul(xb, c(8)), lane)]))
-                start = _splat_to(builder, builder.neg(builder.mul(offset, n4)), _I32X16)
+            xv, start = _lane_x(builder, xp, xnp, b, xb, lane, None if has_min else offset, c, 16, x_at[k])
             sums = dpbusd(builder, start, codes[j], xv, small=bits < 8)
             news.append(builder.call(fma, [dd, builder.sitofp(sums, _F32X16), accs[k * n_lanes + j]]))
     results = finish(news)
