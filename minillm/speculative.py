@@ -37,9 +37,17 @@ class SpeculationParams:
 class PromptLookup:
     """Guesses from the token history itself: the last `ngram` tokens (then fewer, down to two:
     a single token's match guesses poorly) are looked up among the earlier ones, and the
-    tokens that followed their latest earlier occurrence are proposed."""
+    tokens that followed the best earlier occurrence are proposed: the one whose preceding
+    tokens agree longest with the history's end (the latest among equals). How long that
+    agreement is classes the guesses (`classify`): a passage being copied agrees for dozens of
+    tokens and its guesses are nearly always kept; a short common phrase's often are not."""
 
     cost = 0.0  # guessing takes no time worth counting
+    AGREEMENT_CLASSES = (3, 4, 8, 16)   # class c: agreement >= AGREEMENT_CLASSES[c - 1] (class 0: 2 tokens)
+    # per class, the chances that a first guess is kept and a guess after a kept one (learned after)
+    first_prior = (0.5, 0.6, 0.8, 0.9, 0.95)
+    then_prior = (0.8, 0.8, 0.85, 0.9, 0.95)
+    MAX_CANDIDATES = 64  # latest occurrences of an n-gram compared
 
     def __init__(self, ngram: int):
         self.ngram = ngram
@@ -47,28 +55,55 @@ class PromptLookup:
 
     def start(self, prompt_ids: list[int]) -> None:
         """A new generation: forget the history indexed."""
-        # per n-gram size: n-gram -> the position right after its latest occurrence that has a successor
-        self.follows: list[dict[tuple, int]] = [{} for _ in range(self.ngram + 1)]
+        # per n-gram size: n-gram -> the positions right after its occurrences that have a successor
+        self.follows: list[dict[tuple, list[int]]] = [{} for _ in range(self.ngram + 1)]
         self.n_indexed = 0  # n-grams ending before this position are indexed
 
+    def classify(self, history: list[int]) -> int | None:
+        """The class of what propose would guess now (by the match's agreement); None: no match."""
+        at, agreement = self._match(history)
+        if at is None:
+            return None
+        return sum(agreement >= bound for bound in self.AGREEMENT_CLASSES)
+
     def propose(self, history: list[int], n: int) -> list[int]:
+        at, _ = self._match(history)
+        return [] if at is None else history[at:at + n]
+
+    def _match(self, history: list[int]) -> tuple[int | None, int]:
+        """(position after the best occurrence of the longest n-gram ending history, how many
+        tokens before it agree with the history's end, at most the last class bound)."""
         self._index(history)
         for size in range(min(self.ngram, len(history) - 1), min(2, self.ngram) - 1, -1):  # longest first
-            at = self.follows[size].get(tuple(history[-size:]))
-            if at is not None:
-                return history[at:at + n]
-        return []
+            ends = self.follows[size].get(tuple(history[-size:]))
+            if ends:
+                candidates = ends[-self.MAX_CANDIDATES:]
+                agreements = [self._agreement(history, end, size) for end in candidates]
+                best = max(range(len(candidates)), key=lambda i: (agreements[i], i))
+                return candidates[best], agreements[best]
+        return None, 0
+
+    def _agreement(self, history: list[int], end: int, size: int) -> int:
+        """How many tokens before `end` equal the history's last ones (size already do)."""
+        cap, n = self.AGREEMENT_CLASSES[-1], len(history)
+        agree = size
+        while agree < cap and agree < end and history[end - 1 - agree] == history[n - 1 - agree]:
+            agree += 1
+        return agree
 
     def _index(self, history: list[int]) -> None:
         for end in range(max(1, self.n_indexed), len(history)):  # n-grams ending at `end` (exclusive)
             for size in range(min(2, self.ngram), min(self.ngram, end) + 1):  # the sizes propose looks up
-                self.follows[size][tuple(history[end - size:end])] = end
+                self.follows[size].setdefault(tuple(history[end - size:end]), []).append(end)
         self.n_indexed = len(history)
 
 
 class DraftModel:
     """Guesses by greedy decoding with a smaller model of the same vocabulary, in a session of
     its own that follows the accepted tokens (its cache keeps the shared prefix)."""
+
+    # one class of guesses: the chances that a first guess is kept and a guess after a kept one
+    first_prior, then_prior = (0.6,), (0.8,)
 
     def __init__(self, draft, target, n_ctx: int, p_min: float):
         from .generate import Session
@@ -83,6 +118,9 @@ class DraftModel:
         """A new generation: the draft evaluates the prompt now, with the model's prompt
         (its session reuses the prefix it already holds)."""
         self.session.prefill(prompt_ids)
+
+    def classify(self, history: list[int]) -> int:
+        return 0
 
     def propose(self, history: list[int], n: int) -> list[int]:
         logits = self.session.prefill(history)
@@ -118,21 +156,27 @@ class Speculation:
     The guess count k is the one with the most tokens per unit of time expected. A pass with k
     guesses yields 1 + a1 * (1 - ac^k) / (1 - ac) tokens, where a1 is the chance that the first
     guess is accepted and ac the chance that a guess is accepted after an accepted one (guesses
-    come in runs: a copied passage, a draft in step with the model). It costs cost[k] times a
-    lone step: the pass (measured for each k that has run, a prior before) plus the guessing (a
-    draft model's steps: measured, and before that the ratio of the models' sizes). All three
-    are running averages, so the count follows the text: long runs while it copies, none where
-    guesses do not pay (then one guess now and then, to notice a change)."""
+    come in runs: a copied passage, a draft in step with the model). Both are kept per class of
+    guesses (the guesser's `classify`: for prompt lookup, how long the match agrees). A pass
+    costs cost[k] times a lone step: the pass (measured for each k that has run; before that
+    1 + slope * k, the slope learned from the passes that ran) plus the guessing (a draft
+    model's steps: measured, and before that the ratio of the models' sizes). All are running
+    averages, so the count follows the text: long runs while it copies, none where guesses do
+    not pay (then one guess now and then, to notice a change)."""
 
     def __init__(self, guesser, params: SpeculationParams):
         self.guesser, self.params = guesser, params
-        self.first, self.then = 0.6, 0.8  # acceptance of a first guess, of a guess after an accepted one
+        # (classes,) per class of guesses: acceptance of a first guess, of a guess after an accepted one
+        self.first = np.array(guesser.first_prior, np.float64)
+        self.then = np.array(guesser.then_prior, np.float64)
         self.counts = np.arange(params.draft_max + 1)  # (k,) the guess counts to choose from
-        # (k,) the time of a pass of 1 + k rows / a lone step's
-        self.pass_cost = np.where(self.counts == 0, 1.0, 1.1 + 0.3 * self.counts)
+        self.pass_cost = 1.0 + 0.3 * self.counts  # (k,) the time of a pass of 1 + k rows / a lone step's
+        self.measured = self.counts == 0          # (k,) pass_cost[k] measured (k = 0: by definition)
+        self.slope = 0.3                          # a guess row's cost / a lone step's, over all passes
         self.t_lone = None     # seconds of one plain decode step (measured)
         self.guess_cost = guesser.cost  # time to guess a token / a lone step (measured; a prior before)
         self.n_drafted = self.n_accepted = self.since_guess = self.run = 0
+        self.cls = 0  # the class of the current pass's guesses
 
     def start(self, prompt_ids: list[int]) -> None:
         """A new generation: its counts start at zero (the estimates carry over)."""
@@ -143,7 +187,8 @@ class Speculation:
 
     def guesses(self, history: list[int], room: int) -> list[int]:
         """Tokens to evaluate after history's last one, at most room."""
-        n = min(self.n_to_guess(), room)
+        cls = self.guesser.classify(history) if room > 0 else None
+        n = 0 if cls is None else min(self.n_to_guess(cls), room)
         if n <= 0 or n < self.params.draft_min:
             self.since_guess += 1
             return []
@@ -155,15 +200,16 @@ class Speculation:
         self.since_guess = self.run = 0
         if len(guesses) < max(1, self.params.draft_min):
             return []
+        self.cls = cls
         self.n_drafted += len(guesses)
         return guesses
 
-    def n_to_guess(self) -> int:
-        """The guess count with the most tokens per unit of time expected (see the class); 0
-        before a lone step has been timed."""
+    def n_to_guess(self, cls: int = 0) -> int:
+        """The guess count with the most tokens per unit of time expected for guesses of class
+        cls (see the class); 0 before a lone step has been timed."""
         if self.t_lone is None:
             return 0
-        best = self._best_count(self.first, self.then)
+        best = self._best_count(self.first[cls], self.then[cls])
         if best == 0 and self.since_guess >= PROBE_EVERY and self._best_count(0.99, 0.99):
             return 1
         return best
@@ -172,8 +218,8 @@ class Speculation:
         k = self.counts
         then = min(then, 0.99)
         tokens = 1 + first * (1 - then ** k) / (1 - then)
-        cost = self.pass_cost + k * self.guess_cost
-        rate = tokens / cost
+        passes = np.where(self.measured, self.pass_cost, 1.0 + self.slope * k)
+        rate = tokens / (passes + k * self.guess_cost)
         best = int(np.argmax(rate))
         return best if rate[best] > 1.0 else 0
 
@@ -182,16 +228,16 @@ class Speculation:
         if n_rows == 1:
             self.t_lone = seconds if self.t_lone is None else 0.9 * self.t_lone + 0.1 * seconds
         elif self.t_lone:
-            k = n_rows - 1
-            self.pass_cost[k] = 0.7 * self.pass_cost[k] + 0.3 * seconds / self.t_lone
+            k, cost = n_rows - 1, seconds / self.t_lone
+            self.pass_cost[k] = 0.7 * self.pass_cost[k] + 0.3 * cost if self.measured[k] else cost
+            self.measured[k] = True
+            self.slope = 0.8 * self.slope + 0.2 * max(cost - 1.0, 0.0) / k
 
     def judged(self, accepted: bool) -> None:
         """The sampler kept (accepted) or replaced the next guess of the pass."""
         self.n_accepted += accepted
-        if self.run == 0:
-            self.first = 0.8 * self.first + 0.2 * accepted
-        else:
-            self.then = 0.8 * self.then + 0.2 * accepted
+        rates = self.first if self.run == 0 else self.then
+        rates[self.cls] = 0.8 * rates[self.cls] + 0.2 * accepted
         self.run += 1
 
 

@@ -32,12 +32,16 @@ class FixedGuesses:
     """A guesser that proposes given tokens after given history lengths (tests)."""
 
     cost = 0.0
+    first_prior, then_prior = (0.6,), (0.8,)
 
     def __init__(self, table):
         self.table = table  # len(history) -> guesses
 
     def start(self, prompt_ids):
         pass
+
+    def classify(self, history):
+        return 0
 
     def propose(self, history, n):
         return list(self.table.get(len(history), []))[:n]
@@ -46,13 +50,13 @@ class FixedGuesses:
 class Always(Speculation):
     """Guess whenever the guesser has something, as many as it has (no adaptive count)."""
 
-    def n_to_guess(self):
+    def n_to_guess(self, cls=0):
         return self.params.draft_max
 
 
 # ---- prompt lookup ------------------------------------------------------------------------
 
-def test_lookup_proposes_what_followed_the_latest_match():
+def test_lookup_proposes_what_followed_the_best_match():
     history = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3, 4]
     assert PromptLookup(3).propose(history, 3) == [7, 8, 2]   # [2, 3, 4] last seen before 7
     assert PromptLookup(3).propose(history, 9) == [7, 8, 2, 3, 4]
@@ -60,6 +64,35 @@ def test_lookup_proposes_what_followed_the_latest_match():
     assert PromptLookup(3).propose([5, 6, 1, 6], 2) == []              # a single token is not matched
     assert PromptLookup(1).propose([5, 6, 1, 6], 2) == [1, 6]          # unless ngram is 1
     assert PromptLookup(3).propose([1, 2, 3], 4) == []
+    # [2, 3, 4] occurs twice; before the first, [0, 1] agrees with the history's end too: it wins
+    history = [0, 1, 2, 3, 4, 5, 6, 9, 2, 3, 4, 7, 0, 1, 2, 3, 4]
+    assert PromptLookup(3).propose(history, 2) == [5, 6]
+
+
+def test_lookup_classes_its_guesses_by_how_long_the_match_agrees():
+    def classify(history):
+        return PromptLookup(3).classify(history)
+
+    assert classify([5, 6, 1, 6]) is None                 # no match
+    assert classify([5, 6, 7, 1, 6, 7]) == 0              # a 2-gram
+    assert classify([5, 6, 7, 1, 5, 6, 7]) == 1           # a 3-gram
+    passage = list(range(100, 120))
+    assert classify(passage + [0] + passage[:6]) == 2     # 6 tokens agree
+    assert classify(passage + [0] + passage[:12]) == 3
+    assert classify(passage + [0] + passage[:19]) == 4    # 16 or more
+
+
+def test_guess_count_follows_each_class_acceptance():
+    """Guesses of a class that keeps being rejected stop; another class still guesses."""
+    spec = Speculation(PromptLookup(3), SpeculationParams())
+    spec.timed(1, 0.01)
+    assert spec.n_to_guess(4) > spec.n_to_guess(0) > 0
+    for _ in range(20):
+        spec.cls, spec.run = 0, 0
+        spec.judged(False)
+    assert spec.n_to_guess(0) == 0 and spec.n_to_guess(4) > 0
+    spec.timed(5, 0.02)   # 4 guesses cost 2 lone steps: the slope and pass_cost[4] learn it
+    assert spec.measured[4] and spec.pass_cost[4] == 2.0 and spec.slope < 0.3
 
 
 def test_lookup_index_follows_a_growing_history():
@@ -69,7 +102,7 @@ def test_lookup_index_follows_a_growing_history():
     history += [10, 11]
     assert look.propose(history, 2) == [12, 13]
     history += [14, 10, 11]
-    assert look.propose(history, 1) == [14]  # the latest occurrence of [10, 11] wins
+    assert look.propose(history, 1) == [14]  # of equal agreements, the latest occurrence wins
     look.start([])
     assert look.propose([1, 2, 3, 1, 2], 1) == [3]
 
