@@ -22,7 +22,7 @@ SAMPLING_FIELDS = {
     "presence_penalty": (lambda v: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
     "frequency_penalty": (lambda v: is_number(v) and -2 <= v <= 2, "a number in [-2, 2]"),
 }
-FIELDS = ("id", "prompt", "messages", "max_tokens", "stop", "priority", "lookup", *SAMPLING_FIELDS)
+FIELDS = ("id", "prompt", "messages", "max_tokens", "stop", "priority", "lookup", "draft", *SAMPLING_FIELDS)
 
 
 def is_number(v) -> bool:
@@ -34,12 +34,13 @@ def is_integer(v) -> bool:
 
 
 def make_request(item, max_tokens: int = 128, sampling: SamplingParams | None = None, stop=(),
-                 ignore_eos: bool = False, id=None) -> Request:
+                 ignore_eos: bool = False, id=None, lookup: bool = False, draft: bool = False) -> Request:
     """A Request from a prompt (text, or a list of messages) or from a dict with `prompt` or
     `messages` and any of FIELDS; the arguments are the defaults its fields override."""
     sampling = sampling or SamplingParams()
     if not isinstance(item, dict):
-        return Request(_prompt(item, "prompt"), max_tokens, sampling, list(stop), 0, ignore_eos, id)
+        return Request(_prompt(item, "prompt"), max_tokens, sampling, list(stop), 0, ignore_eos, id,
+                       lookup=lookup, draft=draft)
     unknown = [k for k in item if k not in FIELDS]
     if unknown:
         raise MinillmError(f"unknown field {unknown[0]!r} (known: {', '.join(FIELDS)})")
@@ -57,9 +58,10 @@ def make_request(item, max_tokens: int = 128, sampling: SamplingParams | None = 
         stops = [stops]
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise MinillmError("'stop' must be a string or a list of strings")
-    lookup = item.get("lookup", False)
-    if not isinstance(lookup, bool):
-        raise MinillmError(f"'lookup' must be true or false, not {lookup!r}")
+    lookup, draft = item.get("lookup", lookup), item.get("draft", draft)
+    for name, value in (("lookup", lookup), ("draft", draft)):
+        if not isinstance(value, bool):
+            raise MinillmError(f"'{name}' must be true or false, not {value!r}")
     overrides = {}
     for key, (ok, what) in SAMPLING_FIELDS.items():
         if key in item:
@@ -67,7 +69,7 @@ def make_request(item, max_tokens: int = 128, sampling: SamplingParams | None = 
                 raise MinillmError(f"'{key}' must be {what}, not {item[key]!r}")
             overrides[key] = item[key]
     return Request(prompt, n, replace(sampling, **overrides), stops, priority, ignore_eos, item.get("id", id),
-                   lookup=lookup)
+                   lookup=lookup, draft=draft)
 
 
 def _prompt(value, name: str):

@@ -39,14 +39,15 @@ def parse_line(line: str, lineno: int):
     return item
 
 
-def run_batch_file(m, path, parallel: int, n_ctx, batch: int, defaults: dict, chat_messages=None) -> int:
+def run_batch_file(m, path, parallel: int, n_ctx, batch: int, defaults: dict, chat_messages=None,
+                   draft=None, speculation: dict | None = None) -> int:
     """Run every line; print the records in input order as they complete. Exit status 0 only
-    when every line succeeded."""
+    when every line succeeded. draft, speculation: Model.scheduler's."""
     from tqdm import tqdm
 
     from .batch_input import make_request
 
-    scheduler = m.scheduler(parallel, n_ctx, batch)
+    scheduler = m.scheduler(parallel, n_ctx, batch, draft=draft, speculation=speculation)
     records: list[dict | None] = []
     handles = []
     for lineno, line in read_lines(path):
@@ -79,6 +80,9 @@ def run_batch_file(m, path, parallel: int, n_ctx, batch: int, defaults: dict, ch
             records[index_of[id(handle)]] = {
                 "id": handle.request.id, "text": result.text, "tokens": len(result.tokens),
                 "finish_reason": result.finish_reason, "prompt_tokens": len(handle.prompt_ids)}
+            if handle.request.lookup or handle.request.draft:
+                records[index_of[id(handle)]].update(drafted_tokens=handle.timings.n_drafted,
+                                                     accepted_tokens=handle.timings.n_accepted)
         except Exception as exc:  # a kernel error in its step: the others go on
             failed += 1
             records[index_of[id(handle)]] = {"id": handle.request.id, "error": str(exc)}

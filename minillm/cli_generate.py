@@ -204,8 +204,10 @@ def register(app: typer.Typer) -> None:
                                    "--draft": draft is not None, "--lookup": lookup,
                                    "--cache-type-k": cache_type_k != "f16", "--cache-type-v": cache_type_v != "f16"})
         cache_types = (cache_type_k, cache_type_v)
-        if (draft is not None or lookup) and (beams > 1 or batch_file is not None):
-            raise typer.BadParameter("--draft and --lookup apply to plain generation, not --beams or --batch-file")
+        if (draft is not None or lookup) and beams > 1:
+            raise typer.BadParameter("--draft and --lookup apply to sampling and greedy generation, not --beams")
+        if draft is not None and lookup:
+            raise typer.BadParameter("--draft and --lookup: choose one")
 
         if batch_file is not None:
             if prompt is not None or file is not None or beams > 1 or truncate:
@@ -221,8 +223,12 @@ def register(app: typer.Typer) -> None:
                         {"role": "user", "content": text}]
             from .cli_batch import run_batch_file
 
-            defaults = dict(max_tokens=n_predict, sampling=params, stop=stop, ignore_eos=ignore_eos)
-            raise typer.Exit(run_batch_file(m, batch_file, parallel, ctx, batch, defaults, chat_messages))
+            defaults = dict(max_tokens=n_predict, sampling=params, stop=stop, ignore_eos=ignore_eos, lookup=lookup,
+                            draft=draft is not None)
+            draft_model = load_model(draft, threads, "cpu") if draft is not None else None
+            speculation = dict(draft_max=draft_max, draft_min=draft_min, p_min=draft_p_min, lookup_ngram=lookup_ngram)
+            raise typer.Exit(run_batch_file(m, batch_file, parallel, ctx, batch, defaults, chat_messages,
+                                            draft_model, speculation))
 
         text = read_prompt(prompt, file)
         seed = seed if seed is not None else random.SystemRandom().randrange(2**31)

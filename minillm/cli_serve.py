@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from .cli_generate import CACHE_TYPE_K, CACHE_TYPE_V, CTX, MODEL, THREADS
+from .cli_generate import CACHE_TYPE_K, CACHE_TYPE_V, CTX, DRAFT, DRAFT_MAX, DRAFT_MIN, DRAFT_P_MIN, MODEL, THREADS
 from .errors import MinillmError
 
 
@@ -55,6 +55,10 @@ def register(app: typer.Typer) -> None:
             None, "--kv-memory", metavar="MIB", min=1,
             help="The KV pool's size in MiB (default: every slot's full context). A quantized cache "
                  "(-ctk/-ctv q8_0) fits about twice the tokens in the same memory, so fewer preemptions."),
+        draft: Optional[Path] = DRAFT,
+        draft_max: int = DRAFT_MAX,
+        draft_min: int = DRAFT_MIN,
+        draft_p_min: float = DRAFT_P_MIN,
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Log every request on stderr."),
     ):
         """Serve the model over HTTP with OpenAI's API (chat/completions, completions, models)."""
@@ -70,11 +74,13 @@ def register(app: typer.Typer) -> None:
 
         if scheduling not in POLICIES:
             raise typer.BadParameter(f"--scheduling is one of {', '.join(POLICIES)}, not {scheduling!r}")
-        if not model.is_file():
-            raise MinillmError(f"no model file at {model}")
+        for path in (model, draft):
+            if path is not None and not path.is_file():
+                raise MinillmError(f"no model file at {path}")
         sock = listen(host, port)
         state = ServerState(Settings(model, parallel, ctx, batch, max_queue, api_key or None, scheduling, threads,
-                                        (cache_type_k, cache_type_v), int(kv_memory * 2**20) if kv_memory else None))
+                                        (cache_type_k, cache_type_v), int(kv_memory * 2**20) if kv_memory else None,
+                                        draft, dict(draft_max=draft_max, draft_min=draft_min, p_min=draft_p_min)))
         config = uvicorn.Config(build_app(state), lifespan="off", log_level="info" if verbose else "warning",
                                 access_log=verbose, timeout_graceful_shutdown=3, timeout_keep_alive=5)
         server = Server(config, state)
@@ -86,7 +92,8 @@ def register(app: typer.Typer) -> None:
             s = state.scheduler
             _err(f"minillm serve: ready: {state.model_name}, {len(s.slots)} sequences at once, context {s.n_ctx}, "
                  f"{state.model.threads} threads, KV cache {s.pool.nbytes / 2**20:.1f} MiB "
-                 f"({'/'.join(state.model.cache_types)}, {s.pool.n_cells} cells)")
+                 f"({'/'.join(state.model.cache_types)}, {s.pool.n_cells} cells)"
+                 + (f", draft {s.draft.path.name}" if s.draft is not None else ""))
 
         def failed(exc) -> None:
             server.should_exit = True

@@ -186,13 +186,18 @@ class Model:
         return chunks if stream else Result.collect(chunks)
 
     def scheduler(self, parallel: int = 4, n_ctx: int | None = None, batch: int | None = None,
-                  kv_cells: int | None = None, policy: str = "priority", kv_memory: int | None = None):
+                  kv_cells: int | None = None, policy: str = "priority", kv_memory: int | None = None,
+                  draft: "Model | None" = None, speculation: dict | None = None):
         """A continuous-batching Scheduler over this model (see scheduler.py): submit() requests,
         iterate their handles for Chunks; `parallel` sequences decode in one pass. The KV pool
-        holds kv_cells cells, or as many as kv_memory bytes hold (default: every slot's context)."""
+        holds kv_cells cells, or as many as kv_memory bytes hold (default: every slot's context).
+        draft: a smaller Model of the same vocabulary, for requests with draft=True;
+        speculation: SpeculationParams fields for requests that guess (lookup or draft)."""
         from .scheduler import DEFAULT_CHUNK, Scheduler
+        from .speculative import SpeculationParams
 
-        return Scheduler(self, parallel, n_ctx, batch or DEFAULT_CHUNK, kv_cells, policy, kv_memory)
+        return Scheduler(self, parallel, n_ctx, batch or DEFAULT_CHUNK, kv_cells, policy, kv_memory, draft,
+                         SpeculationParams(**(speculation or {})))
 
     def generate_batch(self, prompts, max_tokens: int = 128, parallel: int = 4, n_ctx: int | None = None,
                        stop: list[str] = (), **sampling) -> list:

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import MinillmError
-from .generate import Chunk, StopMatcher, Timings, token_logprobs
+from .generate import Chunk, Session, StopMatcher, Timings, token_logprobs
 from .kv_pool import KVPool
 from .sampling import Sampler, SamplingParams
-from .speculative import make_speculation
+from .speculative import DraftModel, Speculation, SpeculationParams, check_same_vocabulary, make_speculation
 
 DEFAULT_PARALLEL = 4
 DEFAULT_CHUNK = 512  # prompt tokens a step, at most
@@ -54,6 +54,7 @@ class Request:
     id: object = None                 # the caller's name for it (echoed in results)
     logprobs: int | None = None       # None: off; k: each Chunk carries its token's logprob and the k best
     lookup: bool = False              # prompt lookup: guessed tokens checked in the same step (_guesses)
+    draft: bool = False               # guesses from the scheduler's draft model (Scheduler(draft=...))
 
 
 class Handle:
@@ -81,9 +82,8 @@ class Handle:
         self._cv = threading.Condition()
         self._cancel = False
         self._t_admit = self._t_first = 0.0
-        self._speculation = None      # a speculative.Speculation when request.lookup
-        if request.lookup:
-            self._speculation = make_speculation(scheduler.model, scheduler.n_ctx, lookup=True)
+        self._speculation = scheduler.speculation_for(request)  # a speculative.Speculation, or None
+        if self._speculation is not None:
             self._speculation.start(prompt_ids)
         self._guesses: list[int] = []  # the tokens guessed after its decode row this step
         self.notify = None            # called (from the scheduler's thread) after each new Chunk or error
@@ -198,6 +198,7 @@ class _Slot:
         self.tokens: list[int] = []
         self.handle: Handle | None = None
         self.last_used = 0
+        self.draft_session = None  # a generate.Session of the scheduler's draft model, once a draft request ran here
 
 
 class Scheduler:
@@ -205,11 +206,14 @@ class Scheduler:
     that steps while there is work). `parallel` sequences at once, each up to n_ctx positions,
     their cells from a pool of kv_cells (default: enough for every slot's full context; pages
     are touched only when written), or of as many cells as kv_memory bytes hold in the model's
-    cache types (a quantized cache: more cells, so more sequences before preemption)."""
+    cache types (a quantized cache: more cells, so more sequences before preemption).
+    draft: a smaller Model of the same vocabulary for requests with draft=True; each slot
+    decodes it in a session of its own (created when first needed). speculation: the
+    SpeculationParams of requests that guess (lookup or draft)."""
 
     def __init__(self, model, parallel: int = DEFAULT_PARALLEL, n_ctx: int | None = None,
                  batch: int = DEFAULT_CHUNK, kv_cells: int | None = None, policy: str = "priority",
-                 kv_memory: int | None = None):
+                 kv_memory: int | None = None, draft=None, speculation: SpeculationParams | None = None):
         if model.backend is not None:
             raise MinillmError("batched generation runs on the CPU only for now (use --device cpu)")
         if policy not in POLICIES:
@@ -228,6 +232,12 @@ class Scheduler:
         kv_cells = max(kv_cells or parallel * self.n_ctx, self.n_ctx)  # one request always fits alone
         self.pool = KVPool(model.arch, parallel, self.n_ctx, kv_cells, rows, model.cache_types)
         self.slots = [_Slot(i) for i in range(parallel)]
+        if draft is not None:
+            if draft.backend is not None:
+                raise MinillmError("the draft model runs on the CPU only (load it with device cpu)")
+            check_same_vocabulary(draft, model)
+        self.draft = draft
+        self.speculation = speculation or SpeculationParams()
         self.queue: list[Handle] = []
         self.threaded = False
         self.n_steps = 0
@@ -256,6 +266,10 @@ class Scheduler:
                                f"context of {self.n_ctx} allows (at most {self.n_ctx - 1})")
         if request.max_tokens < 0:
             raise MinillmError(f"max_tokens must be at least 0, not {request.max_tokens}")
+        if request.draft and self.draft is None:
+            raise MinillmError("draft: this scheduler has no draft model (give one when creating it: --draft)")
+        if request.draft and request.lookup:
+            raise MinillmError("choose a draft model or prompt lookup, not both")
         handle = Handle(self, request, ids, next(self._arrivals))
         if request.max_tokens == 0:
             handle._finish("length", time.perf_counter())
@@ -267,6 +281,14 @@ class Scheduler:
 
     def cancel(self, handle: Handle) -> None:
         handle.cancel()
+
+    def speculation_for(self, request: Request) -> Speculation | None:
+        """A request's guessing: prompt lookup, or the draft model in its slot's session (lent
+        on placement, _place), or None."""
+        if request.draft:
+            return Speculation(DraftModel(self.draft, self.model, self.n_ctx, self.speculation.p_min,
+                                          own_session=False), self.speculation)
+        return make_speculation(self.model, self.n_ctx, lookup=request.lookup, params=self.speculation)
 
     def stats(self) -> dict:
         with self._lock:
@@ -375,6 +397,10 @@ class Scheduler:
             return n
 
         slot = max(free, key=lambda s: (shared(s), -s.last_used))
+        if handle.request.draft:  # the draft decodes in the slot's session: it holds the slot's tokens
+            if slot.draft_session is None:
+                slot.draft_session = Session(self.draft, n_ctx=self.n_ctx)
+            handle._speculation.guesser.session = slot.draft_session
         keep = shared(slot)
         self.pool.release(slot.index, keep)
         del slot.tokens[keep:]
@@ -409,7 +435,8 @@ class Scheduler:
         blocks assigned for all of them."""
         while True:
             running = sorted((s.handle for s in self.slots if s.handle is not None), key=lambda h: h.sort_key)
-            plan = [(h, 1 + len(self._guesses(h))) for h in running if h.n_tokens - len(h.slot.tokens) == 1]
+            decoding = [h for h in running if h.n_tokens - len(h.slot.tokens) == 1]
+            plan = [(h, 1 + len(self._guesses(h, len(decoding)))) for h in decoding]
             settled = sum(h.timings.n_generated >= SETTLED_TOKENS for h, _ in plan)
             budget = self.prompt_budget(len(plan), settled)
             for handle in running:
@@ -421,9 +448,11 @@ class Scheduler:
             if self._assign_blocks(plan):
                 return plan
 
-    def _guesses(self, handle: Handle) -> list[int]:
-        """The tokens a lookup request guesses after its decode row this step (speculative.py:
-        as many as are expected to pay), within its max_tokens, the context and the free cells.
+    def _guesses(self, handle: Handle, n_streams: int) -> list[int]:
+        """The tokens a lookup or draft request guesses after its decode row this step
+        (speculative.py: as many as are expected to pay; a draft's time counts n_streams times
+        over, as every decoding stream waits for it), within its max_tokens, the context and
+        the free cells.
         Each guess is one more row of its sequence, computed alone like every row, so checking
         it against the decode row's logits (Sampler.verify) keeps its tokens those of plain
         decoding."""
@@ -431,6 +460,7 @@ class Scheduler:
         if spec is None or handle._guesses:  # none, or planned already (plan again after eviction)
             return handle._guesses
         room = min(handle.request.max_tokens - handle.timings.n_generated, self.n_ctx - handle.n_tokens) - 1
+        spec.n_streams = n_streams
         guesses = spec.guesses(handle.tokens, room)
         start = len(handle.slot.tokens)
         if guesses and not self.pool.can_assign(self.pool.blocks_needed(handle.slot.index, start,
@@ -502,6 +532,8 @@ class Scheduler:
             start = len(slot.tokens)
             n -= len(handle._guesses)  # guesses join the slot's cells once accepted (_sample)
             slot.tokens.extend(handle.tokens[start:start + n])
+            if handle.request.draft and n > 1:  # a prompt chunk: the draft reads it too
+                handle._speculation.guesser.follow(slot.tokens)
             handle.timings.n_prompt += max(0, min(start + n, len(handle.prompt_ids)) - start)
         self.n_evaluated += len(ids)
         return logits, outputs

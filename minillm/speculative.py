@@ -99,25 +99,33 @@ class PromptLookup:
 
 
 class DraftModel:
-    """Guesses by greedy decoding with a smaller model of the same vocabulary, in a session of
-    its own that follows the accepted tokens (its cache keeps the shared prefix)."""
+    """Guesses by greedy decoding with a smaller model of the same vocabulary, in a session
+    that follows the accepted tokens (its cache keeps the shared prefix): one of its own, or
+    the one a batching scheduler lends the slot the request runs in (`session`, set on
+    placement). The caller checks the vocabularies (check_same_vocabulary)."""
 
     # one class of guesses: the chances that a first guess is kept and a guess after a kept one
     first_prior, then_prior = (0.6,), (0.8,)
 
-    def __init__(self, draft, target, n_ctx: int, p_min: float):
+    def __init__(self, draft, target, n_ctx: int, p_min: float, own_session: bool = True):
         from .generate import Session
 
-        check_same_vocabulary(draft, target)
-        self.session = Session(draft, n_ctx=n_ctx)
+        self.session = Session(draft, n_ctx=n_ctx) if own_session else None
         self.p_min = p_min
         # a guess costs about a decode step of the draft: their weights' sizes, to start with
         self.cost = draft.path.stat().st_size / target.path.stat().st_size
 
     def start(self, prompt_ids: list[int]) -> None:
         """A new generation: the draft evaluates the prompt now, with the model's prompt
-        (its session reuses the prefix it already holds)."""
-        self.session.prefill(prompt_ids)
+        (its session reuses the prefix it already holds); a lent session follows the prompt
+        as the scheduler evaluates it (follow)."""
+        if self.session is not None:
+            self.session.prefill(prompt_ids)
+
+    def follow(self, tokens: list[int]) -> None:
+        """Evaluate what the session lacks of tokens (a prompt chunk the model just evaluated)."""
+        if tokens:
+            self.session.prefill(tokens)
 
     def classify(self, history: list[int]) -> int:
         return 0
@@ -177,6 +185,7 @@ class Speculation:
         self.guess_cost = guesser.cost  # time to guess a token / a lone step (measured; a prior before)
         self.n_drafted = self.n_accepted = self.since_guess = self.run = 0
         self.cls = 0  # the class of the current pass's guesses
+        self.n_streams = 1  # streams that wait while it guesses (a batching scheduler's step: all of them)
 
     def start(self, prompt_ids: list[int]) -> None:
         """A new generation: its counts start at zero (the estimates carry over)."""
@@ -195,7 +204,7 @@ class Speculation:
         t0 = time.perf_counter()
         guesses = self.guesser.propose(history, n)
         if guesses and self.guesser.cost and self.t_lone:
-            spent = (time.perf_counter() - t0) / len(guesses) / self.t_lone
+            spent = self.n_streams * (time.perf_counter() - t0) / len(guesses) / self.t_lone
             self.guess_cost = 0.8 * self.guess_cost + 0.2 * spent
         self.since_guess = self.run = 0
         if len(guesses) < max(1, self.params.draft_min):
@@ -269,4 +278,5 @@ def make_speculation(model, n_ctx: int, draft=None, lookup: bool = False,
         if params.lookup_ngram < 1:
             raise MinillmError(f"--lookup-ngram {params.lookup_ngram}: at least 1")
         return Speculation(PromptLookup(params.lookup_ngram), params)
+    check_same_vocabulary(draft, model)
     return Speculation(DraftModel(draft, model, n_ctx, params.p_min), params)

@@ -340,3 +340,28 @@ def test_sigterm_ends_streams_and_exits_cleanly():
         assert not t.is_alive()
     assert finishes == ["abort"] * 3
     assert "stopped" in "".join(live.stderr)
+
+
+def test_a_draft_model_serves_requests_by_default(tmp_path):
+    """serve --draft: requests use the draft unless they say "draft": false (or ask for lookup),
+    report the guesses in llama-server's timings, and answer as without it (greedy). A draft
+    of another vocabulary stops the command with one message."""
+    live = LiveServer("--parallel", "2", "--ctx", "512", "--draft", str(model_path("smollm2")), "--draft-max", "4")
+    try:
+        assert any("draft SmolLM2" in line for line in live.stderr)
+        body = {"messages": [{"role": "user", "content": "List the days of the week."}], "max_tokens": 24,
+                "temperature": 0}
+        answers = [live.request("POST", "/v1/chat/completions", dict(body, **extra))
+                   for extra in ({}, {"draft": False}, {"lookup": True})]
+        assert all(status == 200 for status, _, _ in answers)
+        texts = [a["choices"][0]["message"]["content"] for _, _, a in answers]
+        assert texts[0] == texts[1] == texts[2] and texts[0]
+        assert "draft_n" in answers[0][2]["timings"] and "draft_n" not in answers[1][2]["timings"]
+        assert "draft_n_accepted" in answers[2][2]["timings"]
+        status, _, error = live.request("POST", "/v1/chat/completions", dict(body, draft="yes"))
+        assert status == 400 and "'draft' must be true or false" in error["error"]["message"]
+    finally:
+        assert live.stop() == 0
+    out = subprocess.run([sys.executable, "-m", "minillm", "serve", str(model_path("smollm2")), "--port", "0",
+                          "--draft", str(model_path("gemma3"))], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1 and "vocabulary" in out.stderr and "Traceback" not in out.stderr

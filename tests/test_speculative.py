@@ -277,6 +277,56 @@ def test_greedy_draft_model_gives_plain_tokens(name, requantized):
     assert 0 < accepted < drafted
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_scheduler_draft_requests_give_plain_tokens(name, requantized, monkeypatch):
+    """A draft model as a per-request option of the batching scheduler: each slot decodes the
+    draft in a session of its own, which reads the prompt chunk by chunk beside the model and
+    follows whichever request runs in the slot. Guessing is forced every step (the adaptive
+    count would switch a draft as costly as the model off), and every other pass's last guess
+    is made wrong (a Q8_0 draft agrees with its model almost always), so that rows are
+    rolled back. Each greedy request's tokens equal its plain run alone."""
+    from minillm.scheduler import Request
+
+    model, draft = loaded_model(name), minillm.load(requantized[name])
+    propose, calls = DraftModel.propose, []
+
+    def sometimes_wrong(self, history, n):
+        guesses = propose(self, history, n)
+        calls.append(n)
+        if len(calls) % 2 and guesses:
+            guesses[-1] = (guesses[-1] + 1) % model.n_vocab
+        return guesses
+
+    monkeypatch.setattr(Speculation, "n_to_guess", lambda self, cls=0: self.params.draft_max)
+    monkeypatch.setattr(DraftModel, "propose", sometimes_wrong)
+    prompts = PROMPTS + [[{"role": "user", "content": "Name three rivers of Europe."}]]
+    requests = [Request(p, 48, GREEDY, ignore_eos=True, draft=i != 1, id=i) for i, p in enumerate(prompts)]
+    scheduler = model.scheduler(parallel=2, batch=16, draft=draft, speculation={"draft_max": 4, "p_min": 0.0})
+    handles = [scheduler.submit(r) for r in requests]  # 4 requests, 2 slots: slots change hands
+    scheduler.run(handles)
+    drafted = accepted = 0
+    for handle, request in zip(handles, requests):
+        alone = model.scheduler(parallel=1).submit(replace(request, draft=False)).result()
+        assert handle.result().tokens == alone.tokens, request.prompt
+        drafted, accepted = drafted + handle.timings.n_drafted, accepted + handle.timings.n_accepted
+    assert handles[1].timings.n_drafted == 0 and 0 < accepted < drafted
+    sessions = [s.draft_session for s in scheduler.slots if s.draft_session is not None]
+    assert 1 <= len(sessions) <= 2  # one per slot at most, not one per request
+    last = handles[-1]
+    assert last.slot is None and sessions  # the draft read its prompt, chunk by chunk, then its tokens
+    held = next(s for s in scheduler.slots if s.draft_session is not None and s.tokens[:5] == last.prompt_ids[:5])
+    assert held.draft_session.tokens[:len(last.prompt_ids)] == last.prompt_ids
+    REPORT.append(f"{name}: scheduler requests with a draft identical to plain; {accepted}/{drafted} guesses accepted")
+    with pytest.raises(MinillmError, match="no draft model"):
+        model.scheduler(parallel=1).submit(Request("Hello", 4, draft=True))
+    with pytest.raises(MinillmError, match="not both"):
+        scheduler.submit(Request("Hello", 4, draft=True, lookup=True))
+    other = loaded_model("gemma3" if name == "smollm2" else "smollm2")
+    with pytest.raises(MinillmError, match="vocabulary"):
+        model.scheduler(parallel=1, draft=other)
+
+
 # ---- accounting, rollback, stops ----------------------------------------------------------
 
 @pytest.mark.slow
@@ -352,6 +402,29 @@ def test_cli_lookup_reports_guesses_and_keeps_the_output():
 
 
 @pytest.mark.slow
+def test_cli_batch_file_takes_draft_and_lookup_as_the_lines_defaults(tmp_path):
+    """generate --batch-file with --draft (or --lookup): every line guesses unless it says
+    otherwise, its record counts the guesses, and the texts are the plain run's (greedy)."""
+    lines = tmp_path / "in.jsonl"
+    lines.write_text("\n".join(json.dumps(item) for item in [
+        {"id": "a", "prompt": "Copy this: one two three four five six."},
+        {"id": "b", "prompt": "Count from one to ten:", "draft": False, "lookup": False},
+        {"id": "c", "messages": [{"role": "user", "content": "Name the days of the week."}]}]) + "\n")
+    common = ["generate", str(model_path("smollm2")), "--batch-file", str(lines), "--temp", "0", "-n", "24",
+              "--parallel", "2"]
+    plain = [json.loads(line) for line in run_cli(*common).stdout.splitlines()]
+    for flags in (["--draft", str(model_path("smollm2")), "--draft-max", "4"], ["--lookup"]):
+        out = run_cli(*common, *flags)
+        assert out.returncode == 0, out.stderr
+        records = [json.loads(line) for line in out.stdout.splitlines()]
+        assert [r["text"] for r in records] == [r["text"] for r in plain]
+        assert "drafted_tokens" in records[0] and "accepted_tokens" in records[2]
+        assert "drafted_tokens" not in records[1] and "drafted_tokens" not in plain[0]
+    out = run_cli(*common, "--lookup", "--draft", str(model_path("smollm2")))
+    assert out.returncode == 2 and "choose one" in out.stderr
+
+
+@pytest.mark.slow
 def test_cli_draft_with_another_vocabulary_is_one_error_line():
     out = run_cli("generate", str(model_path("smollm2")), "-p", "Hi", "-n", "4", "--draft", str(model_path("gemma3")))
     assert out.returncode == 1 and out.stdout == ""
@@ -369,14 +442,25 @@ def test_bench_lookup_reports_both_prompt_sets():
     assert run_cli("bench", str(model_path("smollm2")), "--lookup", "--draft", "x.gguf").returncode == 2
 
 
-def test_lookup_is_a_field_of_batch_lines_and_server_requests():
+def test_lookup_and_draft_are_fields_of_batch_lines_and_server_requests():
     from minillm.batch_input import make_request
     from minillm.server.protocol import ApiError, parse_completion
 
     assert make_request({"prompt": "Hi", "lookup": True}).lookup and not make_request({"prompt": "Hi"}).lookup
     with pytest.raises(MinillmError, match="'lookup' must be true or false"):
         make_request({"prompt": "Hi", "lookup": "yes"})
+    # the command's --draft / --lookup are the lines' defaults; a line may say otherwise
+    assert make_request({"prompt": "Hi"}, draft=True).draft and make_request("Hi", draft=True).draft
+    assert not make_request({"prompt": "Hi", "draft": False}, draft=True).draft
+    with pytest.raises(MinillmError, match="'draft' must be true or false"):
+        make_request({"prompt": "Hi", "draft": 1})
     body = {"messages": [{"role": "user", "content": "Hi"}], "lookup": True}
     assert parse_completion(body, True, GREEDY, 2048).request.lookup
     with pytest.raises(ApiError, match="'lookup' must be true or false"):
         parse_completion(dict(body, lookup=1), True, GREEDY, 2048)
+    # a server with a draft model uses it unless a request says "draft": false or asks for lookup
+    plain = {"messages": body["messages"]}
+    assert parse_completion(plain, True, GREEDY, 2048, draft=True).request.draft
+    assert not parse_completion(plain, True, GREEDY, 2048).request.draft
+    assert not parse_completion(dict(plain, draft=False), True, GREEDY, 2048, draft=True).request.draft
+    assert not parse_completion(body, True, GREEDY, 2048, draft=True).request.draft

@@ -43,6 +43,8 @@ class Settings:
     threads: int | None = None
     cache_types: tuple[str, str] = ("f16", "f16")   # -ctk, -ctv
     kv_memory: int | None = None                   # bytes of KV pool (None: every slot's context)
+    draft: Path | None = None                      # -md: a draft model for speculative decoding
+    speculation: dict | None = None                # SpeculationParams fields (--draft-max ...)
 
 
 class ServerState:
@@ -67,7 +69,12 @@ class ServerState:
             model = Model(s.model, threads=s.threads, device="cpu", cache_types=s.cache_types)
             model.warm_up()
             model.tokenizer  # noqa: B018
-            self.scheduler = model.scheduler(s.parallel, s.ctx, s.batch, policy=s.scheduling, kv_memory=s.kv_memory)
+            draft = None
+            if s.draft is not None:
+                draft = Model(s.draft, threads=s.threads, device="cpu")
+                draft.warm_up()
+            self.scheduler = model.scheduler(s.parallel, s.ctx, s.batch, policy=s.scheduling, kv_memory=s.kv_memory,
+                                             draft=draft, speculation=s.speculation)
             self.scheduler.start()
             self.model = model
         except Exception as exc:  # noqa: BLE001 (reported to the command, which exits 1)
@@ -236,7 +243,7 @@ async def complete(state: ServerState, request: HttpRequest, chat: bool):
     scheduler = state.require_ready()
     settings = state.settings
     body = parse_json(await read_body(request))
-    completion = parse_completion(body, chat, SamplingParams(), scheduler.n_ctx)
+    completion = parse_completion(body, chat, SamplingParams(), scheduler.n_ctx, scheduler.draft is not None)
     if scheduler.stats()["queued"] >= settings.max_queue:
         raise ApiError(503, f"the queue is full ({settings.max_queue} requests waiting); retry shortly",
                        headers={"Retry-After": str(RETRY_AFTER_S)})

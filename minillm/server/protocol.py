@@ -63,8 +63,10 @@ class Completion:
     return_tokens: bool = False    # llama-server's extra: the generated token ids in the answer
 
 
-def parse_completion(body: dict, chat: bool, defaults: SamplingParams, n_ctx: int) -> Completion:
-    """A Completion from a /v1/chat/completions (chat) or /v1/completions body."""
+def parse_completion(body: dict, chat: bool, defaults: SamplingParams, n_ctx: int, draft: bool = False) -> Completion:
+    """A Completion from a /v1/chat/completions (chat) or /v1/completions body. draft: whether
+    the server has a draft model (then requests use it unless they say "draft": false or ask
+    for "lookup")."""
     for name in UNSUPPORTED:
         if body.get(name):
             raise ApiError(400, f"'{name}' is not supported by this server", name)
@@ -97,11 +99,12 @@ def parse_completion(body: dict, chat: bool, defaults: SamplingParams, n_ctx: in
     out.request.priority = priority
     out.request.ignore_eos = _flag(body, "ignore_eos")
     out.request.lookup = _flag(body, "lookup")  # prompt lookup (speculative decoding), as generate --lookup
+    out.request.draft = _flag(body, "draft", draft and not out.request.lookup)  # the server's draft model
     return out
 
 
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name, False)
+def _flag(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
     if value is None:
         return False
     if not isinstance(value, bool):
@@ -240,6 +243,8 @@ class Answer:
         timings = {"prompt_n": t.n_prompt, "prompt_ms": t.prompt_s * 1e3, "prompt_per_second": t.prompt_tokens_per_s,
                    "predicted_n": t.n_generated, "predicted_ms": t.generate_s * 1e3,
                    "predicted_per_second": t.generate_tokens_per_s}  # as llama-server reports them
+        if self.completion.request.lookup or self.completion.request.draft:
+            timings.update(draft_n=t.n_drafted, draft_n_accepted=t.n_accepted)
         return self._object("chat.completion" if self.chat else "text_completion", [choice],
                             usage=usage(n_prompt, len(tokens)), timings=timings)
 
