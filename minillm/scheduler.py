@@ -286,8 +286,12 @@ class Scheduler:
         """A request's guessing: prompt lookup, or the draft model in its slot's session (lent
         on placement, _place), or None."""
         if request.draft:
-            return Speculation(DraftModel(self.draft, self.model, self.n_ctx, self.speculation.p_min,
+            spec = Speculation(DraftModel(self.draft, self.model, self.n_ctx, self.speculation.p_min,
                                           own_session=False), self.speculation)
+            # a draft not expected to pay (by its size against the model's) stays off: reading the
+            # prompt, or catching up on it at a probe, would cost every other stream a draft prefill
+            spec.active = spec.expects_to_guess()
+            return spec
         return make_speculation(self.model, self.n_ctx, lookup=request.lookup, params=self.speculation)
 
     def stats(self) -> dict:
@@ -532,8 +536,8 @@ class Scheduler:
             start = len(slot.tokens)
             n -= len(handle._guesses)  # guesses join the slot's cells once accepted (_sample)
             slot.tokens.extend(handle.tokens[start:start + n])
-            if handle.request.draft and n > 1:  # a prompt chunk: the draft reads it too
-                handle._speculation.guesser.follow(slot.tokens)
+            if handle.request.draft and n > 1 and handle._speculation.active:
+                handle._speculation.guesser.follow(slot.tokens)  # a prompt chunk: the draft reads it too
             handle.timings.n_prompt += max(0, min(start + n, len(handle.prompt_ids)) - start)
         self.n_evaluated += len(ids)
         return logits, outputs

@@ -130,6 +130,7 @@ class DraftModel:
     def classify(self, history: list[int]) -> int:
         return 0
 
+
     def propose(self, history: list[int], n: int) -> list[int]:
         logits = self.session.prefill(history)
         guesses = []
@@ -186,6 +187,7 @@ class Speculation:
         self.n_drafted = self.n_accepted = self.since_guess = self.run = 0
         self.cls = 0  # the class of the current pass's guesses
         self.n_streams = 1  # streams that wait while it guesses (a batching scheduler's step: all of them)
+        self.active = True  # False: never guess (a scheduler's draft that is not expected to pay)
 
     def start(self, prompt_ids: list[int]) -> None:
         """A new generation: its counts start at zero (the estimates carry over)."""
@@ -213,10 +215,15 @@ class Speculation:
         self.n_drafted += len(guesses)
         return guesses
 
+    def expects_to_guess(self) -> bool:
+        """Whether guessing pays for some class of guesses, as far as it knows now (a draft that
+        does not need not read a prompt beside the model)."""
+        return bool(self._best_count(float(self.first.max()), float(self.then.max())))
+
     def n_to_guess(self, cls: int = 0) -> int:
         """The guess count with the most tokens per unit of time expected for guesses of class
         cls (see the class); 0 before a lone step has been timed."""
-        if self.t_lone is None:
+        if self.t_lone is None or not self.active:
             return 0
         best = self._best_count(self.first[cls], self.then[cls])
         if best == 0 and self.since_guess >= PROBE_EVERY and self._best_count(0.99, 0.99):

@@ -298,8 +298,16 @@ def test_scheduler_draft_requests_give_plain_tokens(name, requantized, monkeypat
             guesses[-1] = (guesses[-1] + 1) % model.n_vocab
         return guesses
 
+    follow, chunks = DraftModel.follow, []
+
+    def counted_follow(self, tokens):
+        chunks.append(len(tokens))
+        follow(self, tokens)
+
     monkeypatch.setattr(Speculation, "n_to_guess", lambda self, cls=0: self.params.draft_max)
+    monkeypatch.setattr(Speculation, "expects_to_guess", lambda self: True)
     monkeypatch.setattr(DraftModel, "propose", sometimes_wrong)
+    monkeypatch.setattr(DraftModel, "follow", counted_follow)
     prompts = PROMPTS + [[{"role": "user", "content": "Name three rivers of Europe."}]]
     requests = [Request(p, 48, GREEDY, ignore_eos=True, draft=i != 1, id=i) for i, p in enumerate(prompts)]
     scheduler = model.scheduler(parallel=2, batch=16, draft=draft, speculation={"draft_max": 4, "p_min": 0.0})
@@ -313,11 +321,14 @@ def test_scheduler_draft_requests_give_plain_tokens(name, requantized, monkeypat
     assert handles[1].timings.n_drafted == 0 and 0 < accepted < drafted
     sessions = [s.draft_session for s in scheduler.slots if s.draft_session is not None]
     assert 1 <= len(sessions) <= 2  # one per slot at most, not one per request
+    assert len(chunks) >= 3 and min(chunks) <= 16  # prompts read in chunks of the step's 16 rows
     last = handles[-1]
     assert last.slot is None and sessions  # the draft read its prompt, chunk by chunk, then its tokens
     held = next(s for s in scheduler.slots if s.draft_session is not None and s.tokens[:5] == last.prompt_ids[:5])
     assert held.draft_session.tokens[:len(last.prompt_ids)] == last.prompt_ids
     REPORT.append(f"{name}: scheduler requests with a draft identical to plain; {accepted}/{drafted} guesses accepted")
+    monkeypatch.undo()  # a draft larger than the model cannot pay: its requests decode plainly
+    assert not scheduler.speculation_for(Request("Hello", 4, draft=True)).active
     with pytest.raises(MinillmError, match="no draft model"):
         model.scheduler(parallel=1).submit(Request("Hello", 4, draft=True))
     with pytest.raises(MinillmError, match="not both"):
