@@ -34,7 +34,8 @@ from .errors import MinillmError
 from .generate import Chunk, Session, StopMatcher, Timings, token_logprobs
 from .kv_pool import KVPool
 from .sampling import Sampler, SamplingParams
-from .speculative import DraftModel, Speculation, SpeculationParams, check_same_vocabulary, make_speculation
+from .speculative import (DraftModel, Speculation, SpeculationParams, check_params, check_same_vocabulary,
+                          make_speculation)
 
 DEFAULT_PARALLEL = 4
 DEFAULT_CHUNK = 512  # prompt tokens a step, at most
@@ -238,6 +239,7 @@ class Scheduler:
             check_same_vocabulary(draft, model)
         self.draft = draft
         self.speculation = speculation or SpeculationParams()
+        check_params(self.speculation)
         self.queue: list[Handle] = []
         self.threaded = False
         self.n_steps = 0
@@ -267,7 +269,7 @@ class Scheduler:
         if request.max_tokens < 0:
             raise MinillmError(f"max_tokens must be at least 0, not {request.max_tokens}")
         if request.draft and self.draft is None:
-            raise MinillmError("draft: this scheduler has no draft model (give one when creating it: --draft)")
+            raise MinillmError("draft: no draft model was given (--draft FILE, or Scheduler(draft=...))")
         if request.draft and request.lookup:
             raise MinillmError("choose a draft model or prompt lookup, not both")
         handle = Handle(self, request, ids, next(self._arrivals))
@@ -401,7 +403,7 @@ class Scheduler:
             return n
 
         slot = max(free, key=lambda s: (shared(s), -s.last_used))
-        if handle.request.draft:  # the draft decodes in the slot's session: it holds the slot's tokens
+        if handle.request.draft and handle._speculation.active:  # the draft decodes in the slot's session
             if slot.draft_session is None:
                 slot.draft_session = Session(self.draft, n_ctx=self.n_ctx)
             handle._speculation.guesser.session = slot.draft_session

@@ -265,6 +265,17 @@ def guess_summary(timings) -> str:
     return f"; guessed {n} tokens, accepted {k} ({100 * k / n:.0f}%)"
 
 
+def check_params(params: SpeculationParams) -> None:
+    """MinillmError naming the flag when a parameter is out of its range."""
+    if params.draft_max < 1 or not 0 <= params.draft_min <= params.draft_max:
+        raise MinillmError(f"--draft-min {params.draft_min} and --draft-max {params.draft_max}: "
+                           "need 0 <= draft-min <= draft-max and draft-max >= 1")
+    if not 0.0 <= params.p_min <= 1.0:
+        raise MinillmError(f"--draft-p-min {params.p_min}: a probability, between 0 and 1")
+    if params.lookup_ngram < 1:
+        raise MinillmError(f"--lookup-ngram {params.lookup_ngram}: at least 1")
+
+
 def make_speculation(model, n_ctx: int, draft=None, lookup: bool = False,
                      params: SpeculationParams | None = None) -> Speculation | None:
     """A Speculation for one generation on model: guesses from a draft Model, or from prompt
@@ -276,14 +287,8 @@ def make_speculation(model, n_ctx: int, draft=None, lookup: bool = False,
         raise MinillmError("choose a draft model or prompt lookup, not both")
     if model.backend is not None:
         raise MinillmError("speculative decoding runs on the CPU backend only (use --device cpu)")
-    if params.draft_max < 1 or not 0 <= params.draft_min <= params.draft_max:
-        raise MinillmError(f"--draft-min {params.draft_min} and --draft-max {params.draft_max}: "
-                           "need 0 <= draft-min <= draft-max and draft-max >= 1")
-    if not 0.0 <= params.p_min <= 1.0:
-        raise MinillmError(f"--draft-p-min {params.p_min}: a probability, between 0 and 1")
+    check_params(params)
     if lookup:
-        if params.lookup_ngram < 1:
-            raise MinillmError(f"--lookup-ngram {params.lookup_ngram}: at least 1")
         return Speculation(PromptLookup(params.lookup_ngram), params)
     check_same_vocabulary(draft, model)
     return Speculation(DraftModel(draft, model, n_ctx, params.p_min), params)
