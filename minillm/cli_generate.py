@@ -94,7 +94,11 @@ def speculation_for(model, n_ctx: int, draft: Optional[Path], lookup: bool, draf
 
     params = SpeculationParams(draft_max, draft_min, draft_p_min, lookup_ngram)
     draft_model = load_model(draft, threads, "cpu") if draft is not None else None
-    return make_speculation(model, n_ctx, draft_model, lookup, params)
+    speculation = make_speculation(model, n_ctx, draft_model, lookup, params)
+    if speculation is not None and not speculation.active:
+        print(f"notice: the draft is {speculation.guess_cost:.2f} of the model's size, too costly a guess to pay: "
+              "decoding without it", file=sys.stderr)
+    return speculation
 
 
 def need_model(model: Optional[Path], server: Optional[str], local_only: dict) -> None:

@@ -34,7 +34,7 @@ from .errors import MinillmError
 from .generate import Chunk, Session, StopMatcher, Timings, token_logprobs
 from .kv_pool import KVPool
 from .sampling import Sampler, SamplingParams
-from .speculative import (DraftModel, Speculation, SpeculationParams, check_params, check_same_vocabulary,
+from .speculative import (Speculation, SpeculationParams, check_params, check_same_vocabulary, draft_speculation,
                           make_speculation)
 
 DEFAULT_PARALLEL = 4
@@ -287,13 +287,8 @@ class Scheduler:
     def speculation_for(self, request: Request) -> Speculation | None:
         """A request's guessing: prompt lookup, or the draft model in its slot's session (lent
         on placement, _place), or None."""
-        if request.draft:
-            spec = Speculation(DraftModel(self.draft, self.model, self.n_ctx, self.speculation.p_min,
-                                          own_session=False), self.speculation)
-            # a draft not expected to pay (by its size against the model's) stays off: reading the
-            # prompt, or catching up on it at a probe, would cost every other stream a draft prefill
-            spec.active = spec.expects_to_guess()
-            return spec
+        if request.draft:  # one not expected to pay stays off: its catch-ups would stall every stream
+            return draft_speculation(self.draft, self.model, self.n_ctx, self.speculation, own_session=False)
         return make_speculation(self.model, self.n_ctx, lookup=request.lookup, params=self.speculation)
 
     def stats(self) -> dict:

@@ -187,11 +187,12 @@ class Speculation:
         self.n_drafted = self.n_accepted = self.since_guess = self.run = 0
         self.cls = 0  # the class of the current pass's guesses
         self.n_streams = 1  # streams that wait while it guesses (a batching scheduler's step: all of them)
-        self.active = True  # False: never guess (a scheduler's draft that is not expected to pay)
+        self.active = True  # False: never guess (a draft not expected to pay: draft_speculation)
 
     def start(self, prompt_ids: list[int]) -> None:
         """A new generation: its counts start at zero (the estimates carry over)."""
-        self.guesser.start(prompt_ids)
+        if self.active:
+            self.guesser.start(prompt_ids)
         self.n_drafted = self.n_accepted = 0
         self.since_guess = 0
         self.run = 0  # guesses of the current pass judged so far
@@ -291,4 +292,14 @@ def make_speculation(model, n_ctx: int, draft=None, lookup: bool = False,
     if lookup:
         return Speculation(PromptLookup(params.lookup_ngram), params)
     check_same_vocabulary(draft, model)
-    return Speculation(DraftModel(draft, model, n_ctx, params.p_min), params)
+    return draft_speculation(draft, model, n_ctx, params)
+
+
+def draft_speculation(draft, model, n_ctx: int, params: SpeculationParams, own_session: bool = True) -> Speculation:
+    """Guessing with a draft Model (the vocabularies checked). A draft that is not expected to
+    pay even before anything is measured (its size against the model's: see Speculation) stays
+    off (active False): it reads no prompt and never probes, since every probe would first
+    catch up on the tokens it skipped, so decoding runs at plain speed."""
+    spec = Speculation(DraftModel(draft, model, n_ctx, params.p_min, own_session), params)
+    spec.active = spec.expects_to_guess()
+    return spec

@@ -275,6 +275,11 @@ def test_greedy_draft_model_gives_plain_tokens(name, requantized):
         drafted, accepted = drafted + t.n_drafted, accepted + t.n_accepted
     REPORT.append(f"{name}: greedy with its Q8_0 as draft identical to plain; {accepted}/{drafted} guesses accepted")
     assert 0 < accepted < drafted
+    # left to itself, a draft larger than the model is not used: no prompt read, no probe
+    speculation = make_speculation(model, 4096, draft=draft)
+    assert not speculation.active
+    plain, guessed, t = greedy_pair(model, PROMPTS[0], 40, 4096, speculation)
+    assert guessed == plain and t.n_drafted == 0 and speculation.guesser.session.tokens == []
 
 
 @pytest.mark.slow
