@@ -43,7 +43,7 @@ SPLIT_PARTS = max(1, nb.config.NUMBA_NUM_THREADS)
 F16_DOT_STEP = 64 if GGML_AVX512 else 32
 
 _NO_TABLE = np.zeros(0, np.int64)  # the block table of a sequence's own (unpaged) cache
-# _one_chunk's callers pass its first cell and shift as np.int64 and an empty table of their own:
+# _run_rows's callers pass its first cell and shift as np.int64 and an empty table of their own:
 # a constant argument (a Literal type) or this read-only global would compile another copy of it
 
 _PAR = dict(parallel=True, cache=True, nogil=True)
@@ -182,22 +182,28 @@ def _head_walk(k, v, row_at, q, q_at, scale, softcap, acc, acc_at, D):
     return m, s_sum
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def _run_rows(first, last, pos, newest, n_keep, n_slots, kv_pos, table, shift, window, n_kv_heads):
+    """row * n_kv_heads for the cache row of each cell in [first, last) that a query at pos sees
+    (newest: the batch's last position), in cell order: a run's cells, found once for all its
+    KV heads (KV head kvh's rows are these + kvh). The sequence's n_slots slots are rows of the
+    cache, through its block table when paged (_row)."""
+    return _visible_rows(max(first, _first_cell(pos, window)), min(last, pos + 1), pos, window, n_keep,
+                         _ring_start(newest, n_keep, n_slots), n_slots, kv_pos, table, shift, n_kv_heads, 0)
+
+
 @nb.njit(**_SER)
-def _one_chunk(q16, first, last, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, table, shift, kvh, window,
-               scale, softcap, acc, m, s_sum):
-    """Online softmax over cells [first, last) as ggml's one_chunk (newest: the batch's last
-    position), for the G heads of q16 (G, D) (f16-rounded queries) that share KV head kvh. Head
-    g's result: acc[g] (D,) the f16-rounded, unnormalized V sum, m[g] the running max, s_sum[g]
-    the sum. The visible cells are found once for the G heads; each head then walks them as ggml
-    does one head (heads_walk_f16). The sequence's n_slots slots are rows of kcache/vcache/kv_pos,
-    through its block table when paged (_row). The caches and buffers are used through flat
-    views by offset: a view per cell (kcache[slot, kvh]) would cost two atomic reference counts."""
+def _one_chunk(q16, rows, kcache, vcache, scale, softcap, acc, m, s_sum):
+    """Online softmax over the cells whose rows of the caches seen as (P * Hkv, D) are `rows`
+    (_run_rows + the KV head), as ggml's one_chunk, for the G heads of q16 (G, D) (f16-rounded
+    queries) that share that KV head. Head g's result: acc[g] (D,) the f16-rounded, unnormalized
+    V sum, m[g] the running max, s_sum[g] the sum. Each head walks the cells as ggml does one
+    head (heads_walk_f16). The caches and buffers are used through flat views by offset: a view
+    per cell (kcache[slot, kvh]) would cost two atomic reference counts."""
     G, D = q16.shape
     P, H = kcache.shape[0], kcache.shape[1]
     k, v = kcache.reshape(P * H * D), vcache.reshape(P * H * D)
     q, a = q16.reshape(G * D), acc.reshape(G * D)
-    rows = _visible_rows(max(first, _first_cell(pos, window)), min(last, pos + 1), pos, window, n_keep,
-                         _ring_start(newest, n_keep, n_slots), n_slots, kv_pos, table, shift, H, kvh)
     if softcap == 0 and walk_fits(G, D):
         # the common head sizes, each as a constant: the walk's loops over D unroll (with D a
         # run-time value it was 1.4x slower); every copy costs compile time
@@ -305,6 +311,7 @@ def _unit_runs(q, q_pos, units, row_seq, tables, shift, n_slots, n_keep, kcache,
     own = row_seq.shape[0] == 0
     no_table = np.zeros(0, np.int64)
     for job in nb.prange(SPLIT_PARTS):
+        unit_rows, rows_of = no_table, -1  # the run's cell rows (KV head 0), found for unit rows_of
         for p in range(starts[job], starts[job + 1]):
             u, h0, G = pieces[p, 0], pieces[p, 1], pieces[p, 2]
             t, part = units[u, 0], units[u, 1]
@@ -313,13 +320,16 @@ def _unit_runs(q, q_pos, units, row_seq, tables, shift, n_slots, n_keep, kcache,
             if first >= last:
                 s_sum[t, part, h0:h0 + G] = 0
                 continue
+            if u != rows_of:  # a job's pieces are unit-major: a unit's KV heads share its cells
+                table = no_table if own else tables[row_seq[t]]
+                unit_rows = _run_rows(first, last, pos, q_pos[-1] if own else pos, n_keep, n_slots, kv_pos, table,
+                                      np.int64(-1) if own else shift, window, kcache.shape[1])
+                rows_of = u
             acc_j = np.empty((G, D), np.float32)
             m_j = np.empty(G, np.float32)
             s_j = np.empty(G, np.float32)
-            table = no_table if own else tables[row_seq[t]]
-            _one_chunk(_queries_f16(q, t, h0, G, D), first, last, pos, q_pos[-1] if own else pos, n_keep, n_slots,
-                       kcache, vcache, kv_pos, table, np.int64(-1) if own else shift, h0 // group, window, scale,
-                       softcap, acc_j, m_j, s_j)
+            _one_chunk(_queries_f16(q, t, h0, G, D), unit_rows + h0 // group, kcache, vcache, scale, softcap,
+                       acc_j, m_j, s_j)
             acc[t, part, h0:h0 + G] = acc_j
             m[t, part, h0:h0 + G] = m_j
             s_sum[t, part, h0:h0 + G] = s_j

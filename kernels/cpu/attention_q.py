@@ -27,7 +27,7 @@ import math
 import numba as nb
 import numpy as np
 
-from .attention import (SPLIT_PARTS, _NO_TABLE, _capped, _first_cell, _next_visible, _ring_start, _visible_rows,
+from .attention import (SPLIT_PARTS, _NO_TABLE, _capped, _first_cell, _next_visible, _ring_start, _run_rows,
                         head_jobs, walk_heads, whole_rows)
 from .f16 import f16_bits, f16_round
 from .fma import fma
@@ -170,16 +170,15 @@ def _queries_q8_0(q, t, h0, G, D):
 
 @nb.njit(**_SER)
 def _one_chunk_q(qq, qd, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, table, shift, kvh, window, scale,
-                 softcap, out, t, h0):
+                 softcap, out, t, h0, unit_rows):
     """ggml's one_chunk for the G heads of (qq, qd) sharing KV head kvh, over every cell a query
-    at pos sees; writes the normalized result of head h0 + g to out[t]."""
+    at pos sees (unit_rows: their rows for KV head 0, attention._run_rows); writes the normalized
+    result of head h0 + g to out[t]."""
     G, D = qq.shape
     k_q8 = kv_type_of(kcache.shape[2], D) == KV_Q8_0
     v_q8 = kv_type_of(vcache.shape[2], D) == KV_Q8_0
     if softcap == 0 and walk_fits(G, D):
-        ring_start = _ring_start(newest, n_keep, n_slots)
-        rows = _visible_rows(_first_cell(pos, window), pos + 1, pos, window, n_keep, ring_start, n_slots, kv_pos, table,
-                             shift, kcache.shape[1], kvh)
+        rows = unit_rows + kvh
         sums, m_w, s_w = np.empty(G * D, np.float32), np.empty(G, np.float32), np.empty(G, np.float32)
         heads_walk_q(kcache.reshape(kcache.size), vcache.reshape(vcache.size), rows, rows.shape[0], qq.reshape(G * D),
                      qd.reshape(qd.size), scale, sums, m_w, s_w, D, k_q8, v_q8)
@@ -235,9 +234,15 @@ def attention_quantized(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcach
                                SPLIT_PARTS)
     own = row_seq.shape[0] == 0
     for job in nb.prange(SPLIT_PARTS):
+        unit_rows, rows_of = _NO_TABLE, -1  # the row's cell rows (KV head 0), found for row rows_of
         for p in range(starts[job], starts[job + 1]):
             t, h0, G = pieces[p, 0], pieces[p, 1], pieces[p, 2]
             qq, qd = _queries_q8_0(q, t, h0, G, D)
             table = _NO_TABLE if own else tables[row_seq[t]]
-            _one_chunk_q(qq, qd, q_pos[t], q_pos[-1] if own else q_pos[t], n_keep, n_slots, kcache, vcache, kv_pos,
-                         table, -1 if own else shift, h0 // group, window, scale, softcap, out, t, h0)
+            newest = q_pos[-1] if own else q_pos[t]
+            if t != rows_of:  # a job's pieces are row-major: a row's KV heads share its cells
+                unit_rows = _run_rows(_first_cell(q_pos[t], window), q_pos[t] + 1, q_pos[t], newest, n_keep, n_slots,
+                                      kv_pos, table, np.int64(-1) if own else shift, window, kcache.shape[1])
+                rows_of = t
+            _one_chunk_q(qq, qd, q_pos[t], newest, n_keep, n_slots, kcache, vcache, kv_pos,
+                         table, -1 if own else shift, h0 // group, window, scale, softcap, out, t, h0, unit_rows)
