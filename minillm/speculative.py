@@ -58,6 +58,7 @@ class PromptLookup:
         # per n-gram size: n-gram -> the positions right after its occurrences that have a successor
         self.follows: list[dict[tuple, list[int]]] = [{} for _ in range(self.ngram + 1)]
         self.n_indexed = 0  # n-grams ending before this position are indexed
+        self.last = (-1, None, 0)  # (history length, the match there): classify's, for propose
 
     def classify(self, history: list[int]) -> int | None:
         """The class of what propose would guess now (by the match's agreement); None: no match."""
@@ -72,7 +73,14 @@ class PromptLookup:
 
     def _match(self, history: list[int]) -> tuple[int | None, int]:
         """(position after the best occurrence of the longest n-gram ending history, how many
-        tokens before it agree with the history's end, at most the last class bound)."""
+        tokens before it agree with the history's end, at most the last class bound). The
+        history only grows, so a match found at its length holds until it grows (Speculation
+        classifies, then proposes)."""
+        if self.last[0] != len(history):
+            self.last = (len(history), *self._find(history))
+        return self.last[1], self.last[2]
+
+    def _find(self, history: list[int]) -> tuple[int | None, int]:
         self._index(history)
         for size in range(min(self.ngram, len(history) - 1), min(2, self.ngram) - 1, -1):  # longest first
             ends = self.follows[size].get(tuple(history[-size:]))
@@ -129,7 +137,6 @@ class DraftModel:
 
     def classify(self, history: list[int]) -> int:
         return 0
-
 
     def propose(self, history: list[int], n: int) -> list[int]:
         logits = self.session.prefill(history)
