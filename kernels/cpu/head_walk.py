@@ -165,7 +165,7 @@ class _Walk:
         body(j)
         finish([])
 
-    def run(self, m_data, s_data, scale, widen_k, score, widen_v, f16_sums):
+    def run(self, m_data, s_data, scale, widen_k, score, widen_v, f16_sums, fetch_k=None, fetch_v=None):
         b, c = self.builder, self.c
         mul, add = b.mul, b.add
         f32 = lambda x: ir.Constant(_F32, x)  # noqa: E731
@@ -183,6 +183,10 @@ class _Walk:
         at = lambda h, i: add(mul(i, c(_MAX_HEADS)), h)  # noqa: E731
 
         def score_cell(i):
+            if fetch_k is not None:  # while the block's scores compute: its V rows, the next block's K rows
+                fetch_v(add(first, i))
+                ahead = add(add(first, i), c(_BLOCK))
+                fetch_k(b.select(b.icmp_signed("<", ahead, self.n), ahead, b.sub(self.n, c(1))))
             widen_k(add(first, i))
             self.loop(self.n_heads, lambda h: b.store(b.fmul(score(h), scale), b.gep(self.scores, [at(h, i)])))
 
@@ -241,6 +245,14 @@ class _Walk:
             _ptr(self.context, b, acc_t, acc_a, b.mul(j, c(16)), _F32X16), align=4))
 
 
+def _prefetch(builder, pointer):
+    """Asks for the cache line at pointer (for reading, kept in every level)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(pointer, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
 def _data(context, builder, array_type, array):
     return cgutils.create_struct_proxy(array_type)(context, builder, value=array).data
 
@@ -281,8 +293,16 @@ def heads_walk_f16(typingctx, k, v, row_at, n, q, scale, acc, m, s, D):
                     walk.vec(into, b.mul(j, c(16))), align=64))
             return row
 
+        def fetch(cache_t, cache_a):
+            def row(cell):  # a cell's f16 row, one prefetch per 64 bytes (32 values)
+                start = b.mul(b.load(b.gep(at_data, [cell])), dim)
+                walk.loop(b.sdiv(dim, c(32)), lambda j: _prefetch(
+                    b, _ptr(context, b, cache_t, cache_a, b.add(start, b.mul(j, c(32))), ir.IntType(8))))
+            return row
+
         walk.run(_data(context, b, m_t, m_a), _data(context, b, s_t, s_a), scale, widen(k_t, k_a, walk.k_row),
-                 lambda h: _dot(b, walk.k_row, walk.q_buf, b.mul(h, dim), dim), widen(v_t, v_a, walk.v_row), True)
+                 lambda h: _dot(b, walk.k_row, walk.q_buf, b.mul(h, dim), dim), widen(v_t, v_a, walk.v_row), True,
+                 fetch(k_t, k_a), fetch(v_t, v_a))
         walk.sums_to(acc_t, acc_a)
         return context.get_dummy_value()
 
@@ -370,8 +390,21 @@ def heads_walk_q(typingctx, kcache, vcache, row_at, n, qq, qd, scale, acc, m, s,
             return b.fadd(b.fadd(b.fadd(lane(4), lane(0)), b.fadd(lane(6), lane(2))),
                           b.fadd(b.fadd(lane(5), lane(1)), b.fadd(lane(7), lane(3))))
 
+        def fetch(cache_t, cache_a, q8):
+            data = _data(context, b, cache_t, cache_a)
+
+            def row(cell):  # a cell's blocks: a prefetch at each 64 bytes, and at the last byte
+                row_bytes = b.mul(n_blocks, b.select(q8, c(34), c(18)))
+                start = b.mul(b.load(b.gep(at_data, [cell])), row_bytes)
+                for j in range(_MAX_DIM // 32 * 34 // 64):
+                    with b.if_then(b.icmp_signed("<", c(64 * j), row_bytes), likely=True):
+                        _prefetch(b, b.gep(data, [b.add(start, c(64 * j))]))
+                _prefetch(b, b.gep(data, [b.add(start, b.sub(row_bytes, c(1)))]))
+            return row
+
         walk.run(_data(context, b, m_t, m_a), _data(context, b, s_t, s_a), scale,
-                 widen(k_t, k_a, k_q8, walk.k_row, k_scales), score, widen(v_t, v_a, v_q8, walk.v_row, None), False)
+                 widen(k_t, k_a, k_q8, walk.k_row, k_scales), score, widen(v_t, v_a, v_q8, walk.v_row, None), False,
+                 fetch(k_t, k_a, k_q8), fetch(v_t, v_a, v_q8))
         walk.sums_to(acc_t, acc_a)
         return context.get_dummy_value()
 
