@@ -12,6 +12,7 @@ from llvmlite import binding as llvm_binding
 
 from .f16 import f16_bits, f16_round, float32_bits, float32_from_bits
 from .fma import fma
+from .simd import swiglu_16
 from .unpack import F16_TO_F32
 
 _PAR = dict(parallel=True, cache=True, nogil=True)
@@ -208,9 +209,14 @@ def _swiglu_row(gate, up, t, out):
     # ggml_vec_swiglu_f32: SIMD_WIDTH at a time with ggml_v_expf, the rest with libm's expf
     n = gate.shape[1]
     n16 = n - n % SIMD_WIDTH
-    for j in range(n16):
-        g = gate[t, j]
-        out[t, j] = (g / (np.float32(1.0) + v_expf(np.float32(0.0) - g))) * up[t, j]
+    if GGML_AVX512:  # 16 lanes a step (the scalar steps below do not vectorize)
+        g_row, u_row, o_row = gate[t], up[t], out[t]
+        for j in range(0, n16, SIMD_WIDTH):
+            swiglu_16(g_row, u_row, o_row, j)
+    else:
+        for j in range(n16):
+            g = gate[t, j]
+            out[t, j] = (g / (np.float32(1.0) + v_expf(np.float32(0.0) - g))) * up[t, j]
     for j in range(n16, n):
         g = gate[t, j]
         out[t, j] = (g / (np.float32(1.0) + np.float32(math.exp(-g)))) * up[t, j]

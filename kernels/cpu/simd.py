@@ -263,6 +263,23 @@ def v_expf_rows(typingctx, arr, off, shift):
     return sig, codegen
 
 
+@intrinsic
+def swiglu_16(typingctx, gate, up, out, off):
+    """out[i] = (g / (1 + ggml_v_expf(0 - g))) * up[i], g = gate[i], for 16 consecutive i:
+    ggml_vec_swiglu_f32's vector step (ggml_v_silu, AVX-512)."""
+    sig = types.void(gate, up, out, types.intp)
+
+    def codegen(context, builder, signature, args):
+        (g_a, u_a, o_a, at), (g_t, u_t, o_t, _) = args, signature.args
+        g = builder.load(_ptr(context, builder, g_t, g_a, at, _F32X16), align=4)
+        silu = builder.fdiv(g, builder.fadd(_f32(1.0), v_expf_vector(builder, builder.fsub(_f32(0.0), g))))
+        u = builder.load(_ptr(context, builder, u_t, u_a, at, _F32X16), align=4)
+        builder.store(builder.fmul(silu, u), _ptr(context, builder, o_t, o_a, at, _F32X16), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 def open_loop(builder, n, init):
     """Start `for i in range(n)` carrying the vectors `init`; returns (i, carried, finish), where
     finish(new_values) closes the loop and returns the values after it (init when n <= 0)."""
