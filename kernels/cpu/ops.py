@@ -39,7 +39,7 @@ def _scale_row(x, i, weight, total, eps, out):
 
 @nb.njit(inline="always", cache=True, nogil=True)
 def _rmsnorm_rows(x, i, weight, eps, out):
-    """Rows i.. i+3 (or row i alone, where fewer are left) of rmsnorm. ggml sums a row's squares
+    """Rows i..i+3 (or row i alone, where fewer are left) of rmsnorm. ggml sums a row's squares
     in float64 in column order, a chain of dependent adds: four rows' chains side by side take
     about the time of one."""
     w = x.shape[1]
