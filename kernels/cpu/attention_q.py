@@ -27,8 +27,8 @@ import math
 import numba as nb
 import numpy as np
 
-from .attention import (SPLIT_PARTS, _NO_TABLE, _capped, _first_cell, _next_visible, _ring_start, _run_rows,
-                        head_jobs, walk_heads, whole_rows)
+from .attention import (SPLIT_PARTS, _NO_TABLE, _capped, _first_cell, _run_rows, head_jobs, walk_heads,
+                        whole_rows)
 from .f16 import f16_bits, f16_round
 from .fma import fma
 from .head_walk import heads_walk_q, walk_fits
@@ -169,10 +169,9 @@ def _queries_q8_0(q, t, h0, G, D):
 
 
 @nb.njit(**_SER)
-def _one_chunk_q(qq, qd, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, table, shift, kvh, window, scale,
-                 softcap, out, t, h0, unit_rows):
+def _one_chunk_q(qq, qd, kcache, vcache, kvh, scale, softcap, out, t, h0, unit_rows):
     """ggml's one_chunk for the G heads of (qq, qd) sharing KV head kvh, over every cell a query
-    at pos sees (unit_rows: their rows for KV head 0, attention._run_rows); writes the normalized
+    sees (unit_rows: their rows for KV head 0, attention._run_rows); writes the normalized
     result of head h0 + g to out[t]."""
     G, D = qq.shape
     k_q8 = kv_type_of(kcache.shape[2], D) == KV_Q8_0
@@ -194,10 +193,8 @@ def _one_chunk_q(qq, qd, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, t
     m = np.full(G, -np.inf, np.float32)
     s_sum = np.zeros(G, np.float32)
     dd = np.empty(D // 32, np.float32)
-    ring_start = _ring_start(newest, n_keep, n_slots)
-    cell, row = _next_visible(_first_cell(pos, window), pos + 1, pos, window, n_keep, ring_start, n_slots, kv_pos,
-                              table, shift)
-    while row >= 0:
+    for at in unit_rows:
+        row = at // kcache.shape[1]  # the cell's row of the cache
         _unpack_row(kcache, row, kvh, D, k_q8, False, kc, kd)
         _unpack_row(vcache, row, kvh, D, v_q8, True, vrow, vd)
         for g in range(G):
@@ -213,7 +210,6 @@ def _one_chunk_q(qq, qd, pos, newest, n_keep, n_slots, kcache, vcache, kv_pos, t
                 for d in range(0, D, 16):
                     f32_mad_16(acc, g * D + d, vrow, d, vs)              # fma(v, vs, acc)
                 s_sum[g] = s_sum[g] + vs
-        cell, row = _next_visible(cell + 1, pos + 1, pos, window, n_keep, ring_start, n_slots, kv_pos, table, shift)
     for g in range(G):
         inv = np.float32(1.0) / s_sum[g] if s_sum[g] != 0 else np.float32(0.0)
         for d in range(D):
@@ -238,11 +234,10 @@ def attention_quantized(q, q_pos, row_seq, tables, shift, n_slots, n_keep, kcach
         for p in range(starts[job], starts[job + 1]):
             t, h0, G = pieces[p, 0], pieces[p, 1], pieces[p, 2]
             qq, qd = _queries_q8_0(q, t, h0, G, D)
-            table = _NO_TABLE if own else tables[row_seq[t]]
-            newest = q_pos[-1] if own else q_pos[t]
             if t != rows_of:  # a job's pieces are row-major: a row's KV heads share its cells
+                table = _NO_TABLE if own else tables[row_seq[t]]
+                newest = q_pos[-1] if own else q_pos[t]
                 unit_rows = _run_rows(_first_cell(q_pos[t], window), q_pos[t] + 1, q_pos[t], newest, n_keep, n_slots,
                                       kv_pos, table, np.int64(-1) if own else shift, window, kcache.shape[1])
                 rows_of = t
-            _one_chunk_q(qq, qd, q_pos[t], newest, n_keep, n_slots, kcache, vcache, kv_pos,
-                         table, -1 if own else shift, h0 // group, window, scale, softcap, out, t, h0, unit_rows)
+            _one_chunk_q(qq, qd, kcache, vcache, h0 // group, scale, softcap, out, t, h0, unit_rows)
