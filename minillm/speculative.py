@@ -186,9 +186,9 @@ class Speculation:
         self.first = np.array(guesser.first_prior, np.float64)
         self.then = np.array(guesser.then_prior, np.float64)
         self.counts = np.arange(params.draft_max + 1)  # (k,) the guess counts to choose from
-        self.pass_cost = 1.0 + 0.3 * self.counts  # (k,) the time of a pass of 1 + k rows / a lone step's
-        self.measured = self.counts == 0          # (k,) pass_cost[k] measured (k = 0: by definition)
-        self.slope = 0.3                          # a guess row's cost / a lone step's, over all passes
+        self.pass_cost = np.ones(len(self.counts))  # (k,) a pass of 1 + k rows / a lone step (read where measured)
+        self.measured = self.counts == 0            # (k,) pass_cost[k] measured (k = 0: by definition)
+        self.slope = 0.3                            # a guess row's cost / a lone step's, over all passes
         self.t_lone = None     # seconds of one plain decode step (measured)
         self.guess_cost = guesser.cost  # time to guess a token / a lone step (measured; a prior before)
         self.n_drafted = self.n_accepted = self.since_guess = self.run = 0
