@@ -34,7 +34,7 @@ from .fma import fma
 from .lanes_gemv import (CODE_BYTES, GROUP_TOKENS, gemv_4, gemv_4_blocks, gemv_4_min, gemv_5, gemv_5_min, gemv_8,
                          gemv_8_min, group_4, group_4_min, group_5, group_5_min, group_8, group_8_min, widen_5,
                          widen_5_min)
-from .simd import load_u32
+from .simd import load_u32, prefetch_l2
 from .unpack import F16_TO_F32
 from .vnni import HAS_INT8_DOT, HAS_VNNI, R
 
@@ -163,6 +163,8 @@ def qmatmul_lanes3(data1, data2, data3, bits, has_min, offset, block_sums, xq, x
 
 # from this many tokens on, a 5-bit tile is widened to bytes once rather than at every token
 WIDEN_MIN_TOKENS = 8
+# from this many tokens on, a batch prefetches the next tile while it walks this one
+PREFETCH_MIN_TOKENS = 4
 # from this many tokens on, AVX2 walks a tile in passes of 8 rows (lanes_gemv's batch walk)
 BATCH_WALK_MIN_TOKENS = 4
 
@@ -172,7 +174,9 @@ def _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, n
     """The rows of tile nt, every token (the tile stays in L1): batches GROUP_TOKENS tokens a
     walk (but for Q4_0's block sums, and bytes on AVX-512 VNNI), then one token at a time."""
     T, n_blk = out.shape[0], xd.shape[1]
-    w_off = nt * n_blk * block_bytes(bits, has_min)
+    tile_bytes = n_blk * block_bytes(bits, has_min)
+    w_off = nt * tile_bytes
+    stored = data  # the tiles as stored: the next one is prefetched from there
     if HAS_INT8_DOT and bits == 5 and T >= WIDEN_MIN_TOKENS:
         data, w_off, bits = _widen_5(data, w_off, n_blk, has_min), 0, 8
     acc = np.empty(GROUP_TOKENS * 9 * R, np.float32)  # per token: (lane, row) accumulators, then summs (row)
@@ -182,6 +186,7 @@ def _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, n
             _group_vnni(data, w_off, xq, t * n_blk * 32, xd, xs, xn4, t * n_blk, n_blk, offset, bits, has_min, acc)
             for k in range(GROUP_TOKENS):
                 _store_row(acc[k * 9 * R:], out, t + k, nt, has_min, False)
+            prefetch_next_tile(stored, nt, tile_bytes, t, t + GROUP_TOKENS, T)
             t += GROUP_TOKENS
     for t in range(t, T):
         if HAS_INT8_DOT:
@@ -190,6 +195,22 @@ def _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, n
         else:
             _tile_portable(data, w_off, xq, t, xd, xs, xn4, n_blk, offset, bits, has_min, block_sums, acc)
         _store_row(acc, out, t, nt, has_min, block_sums)
+        prefetch_next_tile(stored, nt, tile_bytes, t, t + 1, T)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def prefetch_next_tile(data, nt, tile_bytes, t0, t1, T):
+    """Tokens t0..t1 - 1 of a batch of T have walked tile nt (tiles of tile_bytes, one after
+    another in data): the next tile's matching part (1 / T of it a token) comes into L2. A
+    batch walks a tile from memory once and from cache T - 1 times, so the next tile's reads
+    overlap that arithmetic rather than stall the first token's walk. Below PREFETCH_MIN_TOKENS
+    the walk waits on memory anyway, and the hardware prefetcher streams the tiles best."""
+    if T < PREFETCH_MIN_TOKENS:
+        return
+    start = (nt + 1) * tile_bytes
+    part = (tile_bytes + T - 1) // T
+    stop = min(start + min(t1 * part, tile_bytes), data.size)
+    prefetch_l2(data, min(start + t0 * part, stop), stop)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

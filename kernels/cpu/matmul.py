@@ -25,7 +25,7 @@ import numpy as np
 
 from .f16 import f16_round
 from .fma import fma
-from .lanes import aligned_zeros
+from .lanes import aligned_zeros, prefetch_next_tile
 from .q4_k import gemm_row_q4_k, gemv_q4_k
 from .q6_k import tiled_q6_k_1, tiled_q6_k_4, vec_dot_q6_k
 from .vnni import HAS_INT8_DOT, R, tile_dot4_nib, tile_dot_nib, tile_lanes
@@ -195,6 +195,16 @@ def _q4_k_tile_vnni(data, sc, mins, sb, xq, xd, xn32, nt, n_gemm, out):
             gemv_q4_k(data, w_off, sc, mins, sb, nt, xq, t * K, xd, xn32, t, n_sub // 8, row_out)
         for r in range(min(R, N - n0)):
             out[t, n0 + r] = row_out[r]
+        _prefetch_q4_k(data, sc, mins, nt, t, T)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _prefetch_q4_k(data, sc, mins, nt, t, T):
+    """prefetch_next_tile for a Q4_K tile's codes and its sub-block scales and mins (int8)."""
+    n_sub = sc.shape[1]
+    prefetch_next_tile(data, nt, n_sub * 16 * R, t, t + 1, T)
+    prefetch_next_tile(sc, nt, n_sub * R, t, t + 1, T)
+    prefetch_next_tile(mins, nt, n_sub * R, t, t + 1, T)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
@@ -282,14 +292,13 @@ def _q6_k_tile_vnni(data, sc, sb, xq, xd, xn4, xn16, nt, tiled, out):
     acc = np.empty(8 * R, np.float32)
     t = 0
     while t < T:
-        if tiled and T - t >= 4:
+        n_tok = 4 if tiled and T - t >= 4 else 1
+        if n_tok == 4:
             tiled_q6_k_4(data, w_off, sc, sb, nt, xq, t * K, xd, xn4, xn16, t, n_sb, acc)
             for k in range(4):
                 for r in range(n_rows):
                     out[t + k, n0 + r] = acc[k * R + r]
-            t += 4
-            continue
-        if tiled:
+        elif tiled:
             tiled_q6_k_1(data, w_off, sc, sb, nt, xq, t * K, xd, xn4, xn16, t, n_sb, acc)
             for r in range(n_rows):
                 out[t, n0 + r] = acc[r]
@@ -298,7 +307,9 @@ def _q6_k_tile_vnni(data, sc, sb, xq, xd, xn4, xn16, nt, tiled, out):
             for r in range(n_rows):
                 out[t, n0 + r] = (((acc[r] + acc[4 * R + r]) + (acc[2 * R + r] + acc[6 * R + r]))
                                   + ((acc[R + r] + acc[5 * R + r]) + (acc[3 * R + r] + acc[7 * R + r])))
-        t += 1
+        prefetch_next_tile(data, nt, K * R, t, t + n_tok, T)  # the codes, then the 16-column scales
+        prefetch_next_tile(sc, nt, K // 16 * R, t, t + n_tok, T)
+        t += n_tok
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
