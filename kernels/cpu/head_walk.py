@@ -20,7 +20,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .ops import GGML_AVX512
-from .simd import _F32X8, _F32X16, _I32, _block_codes, _f16_round, _fma, _halve, _load_f32x16, _ptr, _splat, _splat_n, open_loop
+from .simd import (_F32X8, _F32X16, _I32, _block_codes, _f16_round, _fma, _halve, _load_f32x16, _ptr, _splat, _splat_n,
+                   open_loop, prefetch_line)
 
 _F64 = ir.DoubleType()
 _I64 = ir.IntType(64)
@@ -245,14 +246,6 @@ class _Walk:
             _ptr(self.context, b, acc_t, acc_a, b.mul(j, c(16)), _F32X16), align=4))
 
 
-def _prefetch(builder, pointer):
-    """Asks for the cache line at pointer (for reading, kept in every level)."""
-    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                        "llvm.prefetch.p0i8")
-    builder.call(fn, [builder.bitcast(pointer, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-
-
 def _data(context, builder, array_type, array):
     return cgutils.create_struct_proxy(array_type)(context, builder, value=array).data
 
@@ -296,7 +289,7 @@ def heads_walk_f16(typingctx, k, v, row_at, n, q, scale, acc, m, s, D):
         def fetch(cache_t, cache_a):
             def row(cell):  # a cell's f16 row, one prefetch per 64 bytes (32 values)
                 start = b.mul(b.load(b.gep(at_data, [cell])), dim)
-                walk.loop(b.sdiv(dim, c(32)), lambda j: _prefetch(
+                walk.loop(b.sdiv(dim, c(32)), lambda j: prefetch_line(
                     b, _ptr(context, b, cache_t, cache_a, b.add(start, b.mul(j, c(32))), ir.IntType(8))))
             return row
 
@@ -398,8 +391,8 @@ def heads_walk_q(typingctx, kcache, vcache, row_at, n, qq, qd, scale, acc, m, s,
                 start = b.mul(b.load(b.gep(at_data, [cell])), row_bytes)
                 for j in range(_MAX_DIM // 32 * 34 // 64):
                     with b.if_then(b.icmp_signed("<", c(64 * j), row_bytes), likely=True):
-                        _prefetch(b, b.gep(data, [b.add(start, c(64 * j))]))
-                _prefetch(b, b.gep(data, [b.add(start, b.sub(row_bytes, c(1)))]))
+                        prefetch_line(b, b.gep(data, [b.add(start, c(64 * j))]))
+                prefetch_line(b, b.gep(data, [b.add(start, b.sub(row_bytes, c(1)))]))
             return row
 
         walk.run(_data(context, b, m_t, m_a), _data(context, b, s_t, s_a), scale,

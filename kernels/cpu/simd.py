@@ -380,24 +380,30 @@ def load_u32(typingctx, array, offset):
     return sig, codegen
 
 
+def prefetch_line(builder, pointer, locality=3):
+    """Asks for the cache line at pointer, for reading: locality 3 into every level (prefetcht0),
+    2 into L2 and below (prefetcht1)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(pointer, i8p), ir.Constant(i32, 0), ir.Constant(i32, locality),
+                      ir.Constant(i32, 1)])
+
+
 @intrinsic
 def prefetch_l2(typingctx, array, start, stop):
     """Asks for the cache lines of bytes start..stop - 1 of a contiguous array's data, one
-    prefetch per 64 bytes, into L2 (prefetcht1: L1 keeps what the caller is working on)."""
+    prefetch per 64 bytes, into L2 (L1 keeps what the caller is working on)."""
     sig = types.void(array, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):
         data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=args[0]).data
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0i8")
         c = lambda v: ir.Constant(args[1].type, v)  # noqa: E731
         n_lines = builder.sdiv(builder.add(builder.sub(args[2], args[1]), c(63)), c(64))
-        first = builder.gep(builder.bitcast(data, i8p), [args[1]])
+        first = builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [args[1]])
 
         def body(i, carried):
-            builder.call(fn, [builder.gep(first, [builder.mul(i, c(64))]), ir.Constant(i32, 0), ir.Constant(i32, 2),
-                              ir.Constant(i32, 1)])
+            prefetch_line(builder, builder.gep(first, [builder.mul(i, c(64))]), locality=2)
             return []
         _loop(builder, n_lines, [], body)
         return context.get_dummy_value()
