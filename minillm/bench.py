@@ -59,34 +59,48 @@ def _time_decode(model: Model, rng, n: int, depth: int = 0) -> float:
 
 
 def run_parallel_bench(path, levels: list[int], n_prompt: int, n_gen: int, threads, on_compile=None,
-                       device: str = "cpu") -> dict:
+                       device: str = "cpu", reps: int = 1) -> dict:
     """Aggregate throughput of the batching scheduler with N sequences at once, in
     llama-batched-bench's terms: every sequence gets n_prompt random tokens, all prompts are
     evaluated together (S_PP = N * n_prompt / t_pp), then each decodes n_gen tokens, one row a
-    sequence a step (S_TG = N * n_gen / t_tg); greedy, end tokens ignored."""
-    from .sampling import SamplingParams
-    from .scheduler import Request
-
+    sequence a step (S_TG = N * n_gen / t_tg); greedy, end tokens ignored. With reps > 1 the
+    levels run in turn reps times and each level reports its median times: a machine whose
+    speed drifts over minutes then weighs on every level alike."""
     model = Model(path, threads=threads, device=device)
     model.warm_up(on_compile)
     rng = np.random.default_rng(0)
     result = {"model": model.path.name, "threads": model.threads, "n_prompt": n_prompt, "n_gen": n_gen,
-              "levels": []}
-    greedy = SamplingParams(temperature=0)
+              "reps": reps, "levels": []}
+    runs = {n_seq: [] for n_seq in levels}  # (t_pp, t_tg) of each repetition
+    for _ in range(reps):
+        for n_seq in levels:
+            runs[n_seq].append(_parallel_run(model, rng, n_seq, n_prompt, n_gen))
     for n_seq in levels:
-        scheduler = model.scheduler(parallel=n_seq, n_ctx=n_prompt + n_gen + 2, batch=n_seq * n_prompt)
-        prompts = [rng.integers(0, model.n_vocab, size=n_prompt).tolist() for _ in range(n_seq)]
-        # one extra token each: n_gen decode rows follow the first token, sampled after prefill
-        handles = [scheduler.submit(Request(p, n_gen + 1, greedy, ignore_eos=True)) for p in prompts]
-        t0 = time.perf_counter()
-        scheduler.step()  # every prompt in one forward, first tokens sampled
-        t_pp = time.perf_counter() - t0
-        scheduler.run(handles)
-        t_tg = time.perf_counter() - t0 - t_pp
-        result["levels"].append({"parallel": n_seq, "t_pp": round(t_pp, 4), "s_pp": round(n_seq * n_prompt / t_pp, 2),
-                                 "t_tg": round(t_tg, 4), "s_tg": round(n_seq * n_gen / t_tg, 2)})
+        t_pp, t_tg = (float(np.median(times)) for times in zip(*runs[n_seq]))
+        level = {"parallel": n_seq, "t_pp": round(t_pp, 4), "s_pp": round(n_seq * n_prompt / t_pp, 2),
+                 "t_tg": round(t_tg, 4), "s_tg": round(n_seq * n_gen / t_tg, 2)}
+        if reps > 1:
+            level["s_tg_runs"] = [round(n_seq * n_gen / t, 2) for _, t in runs[n_seq]]
+        result["levels"].append(level)
     result["admission"] = admission_gaps(model, rng)
     return result
+
+
+def _parallel_run(model: Model, rng, n_seq: int, n_prompt: int, n_gen: int) -> tuple[float, float]:
+    """(t_pp, t_tg) of one run of run_parallel_bench's level n_seq."""
+    from .sampling import SamplingParams
+    from .scheduler import Request
+
+    scheduler = model.scheduler(parallel=n_seq, n_ctx=n_prompt + n_gen + 2, batch=n_seq * n_prompt)
+    prompts = [rng.integers(0, model.n_vocab, size=n_prompt).tolist() for _ in range(n_seq)]
+    # one extra token each: n_gen decode rows follow the first token, sampled after prefill
+    greedy = SamplingParams(temperature=0)
+    handles = [scheduler.submit(Request(p, n_gen + 1, greedy, ignore_eos=True)) for p in prompts]
+    t0 = time.perf_counter()
+    scheduler.step()  # every prompt in one forward, first tokens sampled
+    t_pp = time.perf_counter() - t0
+    scheduler.run(handles)
+    return t_pp, time.perf_counter() - t0 - t_pp
 
 
 def admission_gaps(model: Model, rng, long_prompt: int = 1000, before: int = 32) -> dict:

@@ -82,7 +82,8 @@ def bench(
     n_prompt: Optional[int] = typer.Option(None, "-p", "--n-prompt", min=0, max=1 << 16,
                                            help="Prompt tokens (prefill) [default: 512; 128 with --parallel]."),
     n_gen: int = typer.Option(128, "-n", "--n-gen", min=0, max=1 << 16, help="Tokens to decode."),
-    reps: int = typer.Option(1, "-r", "--reps", min=1, max=100, help="Repetitions (best is reported)."),
+    reps: int = typer.Option(1, "-r", "--reps", min=1, max=100, help="Repetitions (best is reported; with "
+                             "--parallel the levels run in turn and each reports its median)."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", min=1, max=1024, help="Threads."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, or auto."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -104,7 +105,7 @@ def bench(
         _bench_speculative(model, draft, lookup, n_gen, reps, threads, as_json)
         return
     if parallel is not None:
-        _bench_parallel(model, parallel, 128 if n_prompt is None else n_prompt, n_gen, threads, as_json)
+        _bench_parallel(model, parallel, 128 if n_prompt is None else n_prompt, n_gen, reps, threads, as_json)
         return
     n_prompt = 512 if n_prompt is None else n_prompt
     from .bench import run_bench
@@ -137,7 +138,7 @@ def _bench_speculative(model: Path, draft: Optional[Path], lookup: bool, n_gen: 
         print_result(result)
 
 
-def _bench_parallel(model: Path, levels: str, n_prompt: int, n_gen: int, threads, as_json: bool) -> None:
+def _bench_parallel(model: Path, levels: str, n_prompt: int, n_gen: int, reps: int, threads, as_json: bool) -> None:
     from .bench import run_parallel_bench
 
     try:
@@ -148,11 +149,13 @@ def _bench_parallel(model: Path, levels: str, n_prompt: int, n_gen: int, threads
         raise typer.BadParameter(f"--parallel takes counts from 1 to 256 separated by commas, not {levels!r}")
     if n_prompt < 1 or n_gen < 1:
         raise typer.BadParameter("--parallel needs -p and -n of at least 1")
-    result = run_parallel_bench(model, counts, n_prompt, n_gen, threads, on_compile=compile_notice)
+    result = run_parallel_bench(model, counts, n_prompt, n_gen, threads, on_compile=compile_notice, reps=reps)
     if as_json:
         print(json.dumps(result))
         return
-    print(f"model {result['model']}  threads {result['threads']}  prompt {n_prompt}  generate {n_gen} a sequence")
+    runs = f"  medians of {reps} runs, the levels in turn" if reps > 1 else ""
+    print(f"model {result['model']}  threads {result['threads']}  prompt {n_prompt}  generate {n_gen} a sequence"
+          + runs)
     print(f"{'parallel':>8} {'t_pp s':>8} {'S_PP t/s':>9} {'t_tg s':>8} {'S_TG t/s':>9}")
     for level in result["levels"]:
         print(f"{level['parallel']:>8} {level['t_pp']:>8.3f} {level['s_pp']:>9.1f} {level['t_tg']:>8.3f} "

@@ -65,6 +65,23 @@ def test_bench_json_on_real_model():
         assert result[key] > 0
 
 
+@pytest.mark.slow
+def test_bench_parallel_levels_in_turn():
+    """--parallel with -r: each level runs r times, the levels in turn, and reports the median."""
+    out = run("bench", str(model_path("smollm2")), "--parallel", "1,2", "-p", "8", "-n", "4", "-r", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["reps"] == 3 and [level["parallel"] for level in result["levels"]] == [1, 2]
+    for level in result["levels"]:
+        runs = level["s_tg_runs"]
+        assert len(runs) == 3 and all(s > 0 for s in runs)
+        assert level["s_tg"] == pytest.approx(sorted(runs)[1], rel=0.01)  # the median's rate
+        assert level["s_pp"] > 0
+    assert result["admission"]["admission_steps"] > 0
+    out = run("bench", str(model_path("smollm2")), "--parallel", "1,x")
+    assert out.returncode == 2 and "--parallel takes counts" in out.stderr
+
+
 def test_device_option(tiny_llama):
     out = run("bench", str(tiny_llama), "-p", "4", "-n", "2", "--device", "gpu0")
     assert out.returncode == 1 and "unknown device 'gpu0'" in out.stderr
