@@ -138,12 +138,24 @@ def _fill(words, nt0, raw, type_size, qs_at, qh_at, bits, has_min):
                     words[at + cb + R // 2 * m + r // 2] |= half << np.uint32(16 * (r % 2))
 
 
+# The products cut the tiles into one share a thread (read once: calling nb.get_num_threads() in
+# compiled code would keep Numba from caching it; with fewer threads set, shares run in turn).
+# Each share allocates its accumulators (ACC_FLOATS,) once: per token of a group, (lane, row),
+# then the summs (row); one allocation a tile cost a lone token's products ~5%.
+WORKERS = max(1, nb.config.NUMBA_NUM_THREADS)
+ACC_FLOATS = GROUP_TOKENS * 9 * R
+
+
 @nb.njit(parallel=True, cache=True, nogil=True)
 def qmatmul_lanes(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out):
     """out (T, N) = x @ W.T for W in lanes tiles; x quantized: xq (T*K,) codes, xd/xs (T, K/32)
     the activation scales and scaled sums, xn4 (T, K/4) sums of the codes of every 4 columns."""
-    for nt in nb.prange((out.shape[1] + R - 1) // R):
-        _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, np.int64(nt))
+    n_tiles = (out.shape[1] + R - 1) // R
+    share = (n_tiles + WORKERS - 1) // WORKERS
+    for w in nb.prange(WORKERS):
+        acc = np.empty(ACC_FLOATS, np.float32)
+        for nt in range(w * share, min((w + 1) * share, n_tiles)):
+            _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, np.int64(nt), acc)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
@@ -152,13 +164,17 @@ def qmatmul_lanes3(data1, data2, data3, bits, has_min, offset, block_sums, xq, x
     gate/up) in one parallel region; for two, out3 has no columns (data3 is not read)."""
     nt1, nt2 = (out1.shape[1] + R - 1) // R, (out2.shape[1] + R - 1) // R
     n_jobs = nt1 + nt2 + (out3.shape[1] + R - 1) // R
-    for job in nb.prange(n_jobs):
-        if job < nt1:
-            _lanes_tile(data1, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out1, np.int64(job))
-        elif job < nt1 + nt2:
-            _lanes_tile(data2, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out2, np.int64(job - nt1))
-        else:
-            _lanes_tile(data3, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out3, np.int64(job - nt1 - nt2))
+    share = (n_jobs + WORKERS - 1) // WORKERS
+    for w in nb.prange(WORKERS):
+        acc = np.empty(ACC_FLOATS, np.float32)
+        for job in range(w * share, min((w + 1) * share, n_jobs)):
+            if job < nt1:
+                _lanes_tile(data1, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out1, np.int64(job), acc)
+            elif job < nt1 + nt2:
+                _lanes_tile(data2, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out2, np.int64(job - nt1), acc)
+            else:
+                _lanes_tile(data3, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out3, np.int64(job - nt1 - nt2),
+                            acc)
 
 
 # from this many tokens on, a 5-bit tile is widened to bytes once rather than at every token
@@ -170,7 +186,7 @@ BATCH_WALK_MIN_TOKENS = 4
 
 
 @nb.njit(cache=True, nogil=True)  # not inlined: the three calls of qmatmul_lanes3 share one copy
-def _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, nt):
+def _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, nt, acc):
     """The rows of tile nt, every token (the tile stays in L1): batches GROUP_TOKENS tokens a
     walk (but for Q4_0's block sums, and bytes on AVX-512 VNNI), then one token at a time."""
     T, n_blk = out.shape[0], xd.shape[1]
@@ -179,7 +195,6 @@ def _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, n
     stored = data  # the tiles as stored: the next one is prefetched from there
     if HAS_INT8_DOT and bits == 5 and T >= WIDEN_MIN_TOKENS:
         data, w_off, bits = _widen_5(data, w_off, n_blk, has_min), 0, 8
-    acc = np.empty(GROUP_TOKENS * 9 * R, np.float32)  # per token: (lane, row) accumulators, then summs (row)
     t = 0
     if HAS_INT8_DOT and not block_sums and T >= GROUP_TOKENS and (bits < 8 or not HAS_VNNI):
         while T - t >= GROUP_TOKENS:
