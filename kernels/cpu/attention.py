@@ -27,16 +27,15 @@ import numpy as np
 from .f16 import f16_round, f16_round_finite, f16_value
 from .fma import fma
 from .head_walk import expf_exact, heads_walk_f16, walk_fits
-from .ops import GGML_AVX512, v_expf_avx2
+from .ops import GGML_AVX512, THREADS, v_expf_avx2
 from .simd import dot_f16_32, dot_f16_64, f16_mad_rows, f16_rescale_add_rows, fma_chain_64, fma_chains_64x2, v_expf_rows
 
 Q_TILE = 64           # query rows per tile, and the batch size from which ggml tiles
 KV_TILE = 64          # cells per tile
 SPLIT_MIN_CELLS = 512  # one query over at least this many cells: split across threads
 KV_PAD = 256          # llama.cpp's cells handed to attention: a multiple of this
-# the split path cuts the cells in one run per thread, as llama.cpp with as many threads as
-# cores (read once: calling nb.get_num_threads() here would keep Numba from caching the layers)
-SPLIT_PARTS = max(1, nb.config.NUMBA_NUM_THREADS)
+# the split path cuts the cells in one run per thread, as llama.cpp with as many threads as cores
+SPLIT_PARTS = THREADS
 
 # ggml's f16 dot product (the one-chunk scores) sums in 16-lane registers where it is built with
 # AVX-512 and in 8-lane ones with AVX2, as its softmax does (ops.GGML_AVX512).

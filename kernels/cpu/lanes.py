@@ -34,6 +34,7 @@ from .fma import fma
 from .lanes_gemv import (CODE_BYTES, GROUP_TOKENS, gemv_4, gemv_4_blocks, gemv_4_min, gemv_5, gemv_5_min, gemv_8,
                          gemv_8_min, group_4, group_4_min, group_5, group_5_min, group_8, group_8_min, widen_5,
                          widen_5_min)
+from .ops import THREADS
 from .simd import load_u32, prefetch_l2
 from .unpack import F16_TO_F32
 from .vnni import HAS_INT8_DOT, HAS_VNNI, R
@@ -138,11 +139,9 @@ def _fill(words, nt0, raw, type_size, qs_at, qh_at, bits, has_min):
                     words[at + cb + R // 2 * m + r // 2] |= half << np.uint32(16 * (r % 2))
 
 
-# The products cut the tiles into one share a thread (read once: calling nb.get_num_threads() in
-# compiled code would keep Numba from caching it; with fewer threads set, shares run in turn).
-# Each share allocates its accumulators (ACC_FLOATS,) once: per token of a group, (lane, row),
-# then the summs (row); one allocation a tile cost a lone token's products ~5%.
-WORKERS = max(1, nb.config.NUMBA_NUM_THREADS)
+# The products cut the tiles into one share a thread (ops.THREADS), and each share allocates its
+# accumulators (ACC_FLOATS,) once: per token of a group, (lane, row), then the summs (row); one
+# allocation a tile cost a lone token's products ~5%.
 ACC_FLOATS = GROUP_TOKENS * 9 * R
 
 
@@ -151,8 +150,8 @@ def qmatmul_lanes(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out)
     """out (T, N) = x @ W.T for W in lanes tiles; x quantized: xq (T*K,) codes, xd/xs (T, K/32)
     the activation scales and scaled sums, xn4 (T, K/4) sums of the codes of every 4 columns."""
     n_tiles = (out.shape[1] + R - 1) // R
-    share = (n_tiles + WORKERS - 1) // WORKERS
-    for w in nb.prange(WORKERS):
+    share = (n_tiles + THREADS - 1) // THREADS
+    for w in nb.prange(THREADS):
         acc = np.empty(ACC_FLOATS, np.float32)
         for nt in range(w * share, min((w + 1) * share, n_tiles)):
             _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, np.int64(nt), acc)
@@ -164,8 +163,8 @@ def qmatmul_lanes3(data1, data2, data3, bits, has_min, offset, block_sums, xq, x
     gate/up) in one parallel region; for two, out3 has no columns (data3 is not read)."""
     nt1, nt2 = (out1.shape[1] + R - 1) // R, (out2.shape[1] + R - 1) // R
     n_jobs = nt1 + nt2 + (out3.shape[1] + R - 1) // R
-    share = (n_jobs + WORKERS - 1) // WORKERS
-    for w in nb.prange(WORKERS):
+    share = (n_jobs + THREADS - 1) // THREADS
+    for w in nb.prange(THREADS):
         acc = np.empty(ACC_FLOATS, np.float32)
         for job in range(w * share, min((w + 1) * share, n_jobs)):
             if job < nt1:

@@ -18,6 +18,10 @@ from .unpack import F16_TO_F32
 _PAR = dict(parallel=True, cache=True, nogil=True)
 _SER = dict(cache=True, nogil=True)
 
+# the threads a parallel region may run, read once: calling nb.get_num_threads() in compiled code
+# would keep Numba from caching it (with fewer threads set at run time, the extra parts run in turn)
+THREADS = max(1, nb.config.NUMBA_NUM_THREADS)
+
 GELU_COEF_A = np.float32(0.044715)
 SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)
 
