@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import MinillmError
+from .kernels.cpu.lanes import aligned_zeros
 
 # llama.cpp's -ctk/-ctv names -> (cache dtype, row length for head_dim values): F16 as bit
 # patterns, the block formats as their bytes (kernels/cpu/attention_q.py)
@@ -42,10 +43,17 @@ def check_cache_types(types: tuple[str, str], head_dim: int) -> tuple[str, str]:
     return types
 
 
-def cache_array(n_rows: int, n_head_kv: int, head_dim: int, cache_type: str) -> np.ndarray:
-    """(n_rows, n_head_kv, row length) zeros for one layer's keys or values."""
+def cache_arrays(row_counts: list[int], n_head_kv: int, head_dim: int, cache_type: str) -> list[np.ndarray]:
+    """Zeroed (rows, n_head_kv, row length) arrays for the keys or the values of each layer
+    (row_counts: each layer's rows), views of one region of huge pages (aligned_zeros) whose
+    pages are taken only as cells are written."""
     dtype, row = CACHE_TYPES[cache_type]
-    return np.zeros((n_rows, n_head_kv, row(head_dim)), dtype)
+    row_bytes = n_head_kv * row(head_dim) * np.dtype(dtype).itemsize
+    sizes = [-(-n * row_bytes // 64) * 64 for n in row_counts]  # each layer's array on a cache line
+    region = aligned_zeros(sum(sizes), populate=False)
+    starts = np.cumsum([0] + sizes)
+    return [region[at:at + n * row_bytes].view(dtype).reshape(n, n_head_kv, row(head_dim))
+            for at, n in zip(starts, row_counts)]
 
 
 def cache_bytes(n_cells: int, n_head_kv: int, head_dim: int, cache_type: str) -> int:
@@ -90,8 +98,9 @@ class KVCache:
         # per layer: (S, Hkv, D) uint16, float16 bit patterns (llama.cpp's F16 cache), or
         # (S, Hkv, D/32 * block bytes) uint8 for q8_0/q4_0; S = its group's size
         self.cache_types = cache_types
-        self.k = [cache_array(group_sizes[g], n_head_kv, head_dim, cache_types[0]) for g in layer_groups]
-        self.v = [cache_array(group_sizes[g], n_head_kv, head_dim, cache_types[1]) for g in layer_groups]
+        rows = [group_sizes[g] for g in layer_groups]
+        self.k = cache_arrays(rows, n_head_kv, head_dim, cache_types[0])
+        self.v = cache_arrays(rows, n_head_kv, head_dim, cache_types[1])
         self.n_past = 0      # tokens evaluated so far: the next token's logical position
         self._slots = {}     # group -> slots of the batch being evaluated
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import MinillmError
-from .kv_cache import F16_CACHE, cache_array, cache_bytes
+from .kv_cache import F16_CACHE, cache_arrays, cache_bytes
 
 SHIFT = 4
 BLOCK = 1 << SHIFT  # cells per block
@@ -88,10 +88,9 @@ class KVPool:
             self.groups[name] = PoolGroup(size, n_blocks, n_seqs, windowed)
         # per layer: (rows, Hkv, D) uint16 float16 bit patterns, or (rows, Hkv, D/32 * block
         # bytes) uint8 for a quantized cache (kv_cache.py); pages are touched only when written
-        self.k = [cache_array(self.groups[g].n_blocks * BLOCK, hp.n_head_kv, hp.head_dim, cache_types[0])
-                  for g in self.layer_groups]
-        self.v = [cache_array(self.groups[g].n_blocks * BLOCK, hp.n_head_kv, hp.head_dim, cache_types[1])
-                  for g in self.layer_groups]
+        rows = [self.groups[g].n_blocks * BLOCK for g in self.layer_groups]
+        self.k = cache_arrays(rows, hp.n_head_kv, hp.head_dim, cache_types[0])
+        self.v = cache_arrays(rows, hp.n_head_kv, hp.head_dim, cache_types[1])
 
     @staticmethod
     def cells_within(arch, n_seqs: int, n_ctx: int, n_batch: int, cache_types, budget: int) -> int:

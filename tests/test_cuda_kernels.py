@@ -57,7 +57,9 @@ def cpu_quantize(x: np.ndarray, kind: int) -> dict[str, np.ndarray]:
         out[f"d{g}"] = np.empty((T, K // g), np.float32)
         out[f"s{g}"] = np.empty((T, K // g), np.float32)
         out[f"n{g}"] = np.empty((T, K // g), np.int32)
-    cpu_mm.quantize_act(x, kind, out["q"], out["d16"], out["s16"], out["n16"], out["d32"], out["s32"], out["n32"])
+    out["n4"] = np.empty((T, K // 4), np.int32)
+    cpu_mm.quantize_act(x, kind, out["q"], out["d16"], out["s16"], out["n16"], out["d32"], out["s32"], out["n32"],
+                        out["n4"])
     return out
 
 

@@ -101,9 +101,11 @@ def test_quantized_product_matches_dequantized(name, n_tokens):
     d16, s16 = np.empty((n_tokens, cols // 16), np.float32), np.empty((n_tokens, cols // 16), np.float32)
     d32, s32 = np.empty((n_tokens, cols // 32), np.float32), np.empty((n_tokens, cols // 32), np.float32)
     n16, n32 = np.empty((n_tokens, cols // 16), np.int32), np.empty((n_tokens, cols // 32), np.int32)
-    mm.quantize_act(x, mm.KIND_IDS[fmt.activation], xq, d16, s16, n16, d32, s32, n32)
+    n4 = np.empty((n_tokens, cols // 4), np.int32)
+    mm.quantize_act(x, mm.KIND_IDS[fmt.activation], xq, d16, s16, n16, d32, s32, n32, n4)
     xd, xs, xn = (d16, s16, n16) if fmt.group == 16 else (d32, s32, n32)
     assert np.array_equal(xn, xq.reshape(n_tokens, -1, fmt.group).astype(np.int32).sum(-1))
+    assert np.array_equal(n4, xq.reshape(n_tokens, -1, 4).astype(np.int32).sum(-1))
     out = w(x)
 
     w = reference(fmt, raw, cols).astype(np.float64)
@@ -121,8 +123,8 @@ def test_activation_quantization_q8_0_follows_llama_cpp():
     x = np.array([[0.5, -1.0, 0.25] + [0.0] * 29], np.float32)
     xq = np.empty((1, 32), np.int8)
     d16, s16, d32, s32 = (np.empty((1, n), np.float32) for n in (2, 2, 1, 1))
-    n16, n32 = np.empty((1, 2), np.int32), np.empty((1, 1), np.int32)
-    mm.quantize_act(x, mm.KIND_Q8_0, xq, d16, s16, n16, d32, s32, n32)
+    n16, n32, n4 = np.empty((1, 2), np.int32), np.empty((1, 1), np.int32), np.empty((1, 8), np.int32)
+    mm.quantize_act(x, mm.KIND_Q8_0, xq, d16, s16, n16, d32, s32, n32, n4)
     assert xq[0, :3].tolist() == [64, -127, 32]  # rint(0.5 * 127) = 64 (half to even: 63.5 -> 64)
     assert d32[0, 0] == np.float32(np.float16(1.0 / 127))
 

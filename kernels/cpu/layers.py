@@ -35,17 +35,6 @@ _WRAPPER = dict(inline="always", cache=True, nogil=True)
 
 
 @nb.njit(**_SER)
-def _quad_sums(q, T, K):
-    """(T, K/4) sums of the activation codes of every 4 columns (one SIMD lane of ggml's)."""
-    n4 = np.empty((T, K // 4), np.int32)
-    for t in range(T):
-        for c in range(K // 4):
-            o = t * K + 4 * c
-            n4[t, c] = np.int32(q[o]) + np.int32(q[o + 1]) + np.int32(q[o + 2]) + np.int32(q[o + 3])
-    return n4
-
-
-@nb.njit(**_SER)
 def quantize(x, kind):
     """x (T, K) -> (q (T*K,) int8, d16, s16, n16, d32, s32, n32, n4) for activation kind."""
     T, K = x.shape
@@ -56,9 +45,9 @@ def quantize(x, kind):
     d32 = np.empty((T, K // 32), np.float32)
     s32 = np.empty((T, K // 32), np.float32)
     n32 = np.empty((T, K // 32), np.int32)
-    quantize_act(x, kind, q, d16, s16, n16, d32, s32, n32)
-    flat = q.reshape(T * K)
-    return flat, d16, s16, n16, d32, s32, n32, _quad_sums(flat, T, K)
+    n4 = np.empty((T, K // 4), np.int32)  # sums of the codes of every 4 columns (one SIMD lane of ggml's)
+    quantize_act(x, kind, q, d16, s16, n16, d32, s32, n32, n4)
+    return q.reshape(T * K), d16, s16, n16, d32, s32, n32, n4
 
 
 @nb.njit(**_SER)

@@ -27,6 +27,7 @@ from .f16 import f16_round
 from .fma import fma
 from .lanes import aligned_zeros, prefetch_next_tile
 from .q4_k import gemm_row_q4_k, gemv_q4_k
+from .simd import quantize_block_32
 from .q6_k import tiled_q6_k_1, tiled_q6_k_4, vec_dot_q6_k
 from .vnni import HAS_INT8_DOT, R, tile_dot4_nib, tile_dot_nib, tile_lanes
 
@@ -48,19 +49,13 @@ BATCH_DEPENDENT = (PRODUCT_Q4_K, PRODUCT_Q6_K, PRODUCT_K_LANES, PRODUCT_K_LANES_
 
 
 @nb.njit(cache=True, nogil=True)
-def _quantize_row_q8_32(x, q, d32, s32, round_sum):
+def _quantize_row_q8_32(x, q, d32, s32, n4, round_sum):
     # llama.cpp quantize_row_q8_0/_q8_1 (x86): d = amax/127 stored as f16, q = rint(x * 127/amax)
     for b in range(x.shape[0] // 32):
-        amax = np.float32(0.0)
-        for j in range(32):
-            amax = max(amax, abs(x[b * 32 + j]))
-        d = amax / np.float32(127.0)
-        inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
+        d = quantize_block_32(x, 32 * b, q, 32 * b, n4, 8 * b) / np.float32(127.0)
         total = 0
-        for j in range(32):
-            v = np.int32(np.rint(x[b * 32 + j] * inv))
-            q[b * 32 + j] = v
-            total += v
+        for g in range(8 * b, 8 * b + 8):
+            total += n4[g]
         d32[b] = f16_round(d)
         s32[b] = f16_round(d * np.float32(total)) if round_sum else d32[b] * np.float32(total)
 
@@ -89,32 +84,39 @@ def _quantize_row_q8_k(x, q, d32, s32):
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def _quantize_parallel(x, kind, xq, d16, s16, n16, d32, s32, n32):
+def _quantize_parallel(x, kind, xq, d16, s16, n16, d32, s32, n32, n4):
     for t in nb.prange(x.shape[0]):
-        _quantize_row(x, t, kind, xq, d16, s16, n16, d32, s32, n32)
+        _quantize_row(x, t, kind, xq, d16, s16, n16, d32, s32, n32, n4)
+
+
+# from this many rows on, activations are quantized in parallel: a 32-block row of 576 values
+# takes ~0.1 us, a parallel region a few
+PARALLEL_QUANTIZE_ROWS = 64
 
 
 @nb.njit(cache=True, nogil=True)
-def quantize_act(x, kind, xq, d16, s16, n16, d32, s32, n32):
-    """x (T, K) float32 -> xq (T, K) int8 and per-group scales/sums (see module doc)."""
-    if x.shape[0] >= 8:
-        _quantize_parallel(x, kind, xq, d16, s16, n16, d32, s32, n32)
+def quantize_act(x, kind, xq, d16, s16, n16, d32, s32, n32, n4):
+    """x (T, K) float32 -> xq (T, K) int8 and per-group scales/sums (see module doc), and n4
+    (T, K/4) the sums of every 4 codes."""
+    if x.shape[0] >= (PARALLEL_QUANTIZE_ROWS if kind != KIND_Q8_K else 8):
+        _quantize_parallel(x, kind, xq, d16, s16, n16, d32, s32, n32, n4)
     else:  # a few rows (decode): starting threads would cost more than the work
         for t in range(x.shape[0]):
-            _quantize_row(x, t, kind, xq, d16, s16, n16, d32, s32, n32)
+            _quantize_row(x, t, kind, xq, d16, s16, n16, d32, s32, n32, n4)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _quantize_row(x, t, kind, xq, d16, s16, n16, d32, s32, n32):
+def _quantize_row(x, t, kind, xq, d16, s16, n16, d32, s32, n32, n4):
     K = x.shape[1]
     if kind == KIND_Q8_K:
         _quantize_row_q8_k(x[t], xq[t], d32[t], s32[t])
+        for c in range(K // 4):
+            n4[t, c] = (np.int32(xq[t, 4 * c]) + np.int32(xq[t, 4 * c + 1])
+                        + np.int32(xq[t, 4 * c + 2]) + np.int32(xq[t, 4 * c + 3]))
     else:
-        _quantize_row_q8_32(x[t], xq[t], d32[t], s32[t], kind == KIND_Q8_1)
+        _quantize_row_q8_32(x[t], xq[t], d32[t], s32[t], n4[t], kind == KIND_Q8_1)
     for g in range(K // 16):
-        total = np.int32(0)
-        for j in range(16):
-            total += np.int32(xq[t, g * 16 + j])
+        total = n4[t, 4 * g] + n4[t, 4 * g + 1] + n4[t, 4 * g + 2] + n4[t, 4 * g + 3]
         n16[t, g] = total
         d16[t, g] = d32[t, g // 2]
         s16[t, g] = d16[t, g] * np.float32(total)

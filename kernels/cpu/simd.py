@@ -367,6 +367,43 @@ fma_chains_64x2 = _fma_chains(2)
 
 
 @intrinsic
+def quantize_block_32(typingctx, x, x_off, q, q_off, n4, n4_off):
+    """One 32-value block of llama.cpp's quantize_row_q8_0/_q8_1 (x86): amax = max |x|, each
+    code rint(x * (127 / amax)) (0 where amax is 0) stored at q[q_off:q_off + 32] (int8), and
+    the sums of every 4 codes at n4[n4_off:n4_off + 8] (int32). Returns amax. The max is taken
+    over the bits of |x| as integers (positive floats order as their bits): a vector reduction,
+    where a float max is a chain the compiler keeps scalar."""
+    sig = types.float32(x, types.intp, q, types.intp, n4, types.intp)
+
+    def codegen(context, builder, signature, args):
+        x_a, x_o, q_a, q_o, n4_a, n4_o = args
+        b = builder
+        c = lambda v: ir.Constant(x_o.type, v)  # noqa: E731
+        halves = [b.load(_ptr(context, b, signature.args[0], x_a, b.add(x_o, c(16 * h)), _F32X16), align=4)
+                  for h in range(2)]
+        magnitude = [b.and_(b.bitcast(v, _I32X16), ir.Constant(_I32X16, [0x7FFFFFFF] * LANES)) for v in halves]
+        most = b.select(b.icmp_signed(">", magnitude[0], magnitude[1]), magnitude[0], magnitude[1])
+        smax = cgutils.get_or_insert_function(b.module, ir.FunctionType(_I32, [_I32X16]),
+                                              "llvm.vector.reduce.smax.v16i32")
+        amax = b.bitcast(b.call(smax, [most]), _F32)
+        zero = ir.Constant(_F32, 0.0)
+        inv = b.select(b.fcmp_unordered("!=", amax, zero), b.fdiv(ir.Constant(_F32, 127.0), amax), zero)
+        rint = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32X16, [_F32X16]), "llvm.rint.v16f32")
+        codes = [b.fptosi(b.call(rint, [b.fmul(v, _splat(b, inv, _F32X16))]), _I32X16) for v in halves]
+        for h in range(2):
+            b.store(b.trunc(codes[h], ir.VectorType(ir.IntType(8), LANES)),
+                    _ptr(context, b, signature.args[2], q_a, b.add(q_o, c(16 * h)), ir.VectorType(ir.IntType(8), LANES)),
+                    align=1)
+        i32x8 = ir.VectorType(_I32, 8)
+        pick = lambda j: b.shuffle_vector(codes[0], codes[1], ir.Constant(i32x8, [4 * g + j for g in range(8)]))  # noqa: E731
+        sums = b.add(b.add(pick(0), pick(1)), b.add(pick(2), pick(3)))
+        b.store(sums, _ptr(context, b, signature.args[4], n4_a, n4_o, i32x8), align=4)
+        return amax
+
+    return sig, codegen
+
+
+@intrinsic
 def load_u32(typingctx, array, offset):
     """The little-endian uint32 at byte `offset` of a contiguous uint8 array's data, whatever its
     alignment (one unaligned load)."""
