@@ -192,16 +192,17 @@ def _run_rows(first, last, pos, newest, n_keep, n_slots, kv_pos, table, shift, w
 
 
 @nb.njit(**_SER)
-def _one_chunk(q16, rows, kcache, vcache, scale, softcap, acc, m, s_sum):
-    """Online softmax over the cells whose rows of the caches seen as (P * Hkv, D) are `rows`
-    (_run_rows + the KV head), as ggml's one_chunk, for the G heads of q16 (G, D) (f16-rounded
+def _one_chunk(q16, rows, kvh, kcache, vcache, scale, softcap, acc, m, s_sum):
+    """Online softmax over the cells whose rows of the caches seen as (P * Hkv, D) are rows + kvh
+    (_run_rows; kvh the KV head), as ggml's one_chunk, for the G heads of q16 (G, D) (f16-rounded
     queries) that share that KV head. Head g's result: acc[g] (D,) the f16-rounded, unnormalized
     V sum, m[g] the running max, s_sum[g] the sum. Each head walks the cells as ggml does one
-    head (heads_walk_f16). The caches and buffers are used through flat views by offset: a view
-    per cell (kcache[slot, kvh]) would cost two atomic reference counts."""
+    head (heads_walk_f16). The caches and buffers are used through flat views by offset (the KV
+    head's: from kvh * D): a view per cell (kcache[slot, kvh]) would cost two atomic reference
+    counts, and rows + kvh an array a walk."""
     G, D = q16.shape
     P, H = kcache.shape[0], kcache.shape[1]
-    k, v = kcache.reshape(P * H * D), vcache.reshape(P * H * D)
+    k, v = kcache.reshape(P * H * D)[kvh * D:], vcache.reshape(P * H * D)[kvh * D:]
     q, a = q16.reshape(G * D), acc.reshape(G * D)
     if softcap == 0 and walk_fits(G, D):
         # the common head sizes, each as a constant: the walk's loops over D unroll (with D a
@@ -220,13 +221,12 @@ def _one_chunk(q16, rows, kcache, vcache, scale, softcap, acc, m, s_sum):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _queries_f16(q, t, h0, G, D):
-    """The f16-rounded queries of heads h0..h0+G-1 of token t: (G, D)."""
-    q16 = np.empty((G, D), np.float32)
+def _queries_f16(q, t, h0, G, D, q16):
+    """The f16-rounded queries of heads h0..h0+G-1 of token t, into q16[:G] (G, D)."""
     for g in range(G):
         for d in range(D):
             q16[g, d] = f16_round(q[t, (h0 + g) * D + d])
-    return q16
+    return q16[:G]
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -309,8 +309,13 @@ def _unit_runs(q, q_pos, units, row_seq, tables, shift, n_slots, n_keep, kcache,
     pieces, starts = head_jobs(units, q_pos, window, n_slots, n_heads, group, walk_heads(group, D), SPLIT_PARTS)
     own = row_seq.shape[0] == 0
     no_table = np.zeros(0, np.int64)
+    G_most = walk_heads(group, D)
     for job in nb.prange(SPLIT_PARTS):
         unit_rows, rows_of = no_table, -1  # the run's cell rows (KV head 0), found for unit rows_of
+        q16 = np.empty((G_most, D), np.float32)  # a piece's queries and results, G <= G_most heads
+        acc_j = np.empty((G_most, D), np.float32)
+        m_j = np.empty(G_most, np.float32)
+        s_j = np.empty(G_most, np.float32)
         for p in range(starts[job], starts[job + 1]):
             u, h0, G = pieces[p, 0], pieces[p, 1], pieces[p, 2]
             t, part = units[u, 0], units[u, 1]
@@ -324,14 +329,11 @@ def _unit_runs(q, q_pos, units, row_seq, tables, shift, n_slots, n_keep, kcache,
                 unit_rows = _run_rows(first, last, pos, q_pos[-1] if own else pos, n_keep, n_slots, kv_pos, table,
                                       np.int64(-1) if own else shift, window, kcache.shape[1])
                 rows_of = u
-            acc_j = np.empty((G, D), np.float32)
-            m_j = np.empty(G, np.float32)
-            s_j = np.empty(G, np.float32)
-            _one_chunk(_queries_f16(q, t, h0, G, D), unit_rows + h0 // group, kcache, vcache, scale, softcap,
-                       acc_j, m_j, s_j)
-            acc[t, part, h0:h0 + G] = acc_j
-            m[t, part, h0:h0 + G] = m_j
-            s_sum[t, part, h0:h0 + G] = s_j
+            _one_chunk(_queries_f16(q, t, h0, G, D, q16), unit_rows, h0 // group, kcache, vcache, scale, softcap,
+                       acc_j[:G], m_j[:G], s_j[:G])
+            acc[t, part, h0:h0 + G] = acc_j[:G]
+            m[t, part, h0:h0 + G] = m_j[:G]
+            s_sum[t, part, h0:h0 + G] = s_j[:G]
 
 
 @nb.njit(**_SER)
