@@ -306,10 +306,10 @@ def _unit_runs(q, q_pos, units, row_seq, tables, shift, n_slots, n_keep, kcache,
     tables[row_seq[t]], or (row_seq empty) the cache's own slots, as one batch."""
     D = kcache.shape[2]
     group = n_heads // kcache.shape[1]
-    pieces, starts = head_jobs(units, q_pos, window, n_slots, n_heads, group, walk_heads(group, D), SPLIT_PARTS)
+    G_most = walk_heads(group, D)
+    pieces, starts = head_jobs(units, q_pos, window, n_slots, n_heads, group, G_most, SPLIT_PARTS)
     own = row_seq.shape[0] == 0
     no_table = np.zeros(0, np.int64)
-    G_most = walk_heads(group, D)
     for job in nb.prange(SPLIT_PARTS):
         unit_rows, rows_of = no_table, -1  # the run's cell rows (KV head 0), found for unit rows_of
         q16 = np.empty((G_most, D), np.float32)  # a piece's queries and results, G <= G_most heads

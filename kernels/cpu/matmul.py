@@ -27,8 +27,8 @@ from .f16 import f16_round
 from .fma import fma
 from .lanes import aligned_zeros, prefetch_next_tile
 from .q4_k import gemm_row_q4_k, gemv_q4_k
-from .simd import quantize_block_32
 from .q6_k import tiled_q6_k_1, tiled_q6_k_4, vec_dot_q6_k
+from .simd import quantize_block_32
 from .vnni import HAS_INT8_DOT, R, tile_dot4_nib, tile_dot_nib, tile_lanes
 
 KIND_Q8_0, KIND_Q8_1, KIND_Q8_K = 0, 1, 2
