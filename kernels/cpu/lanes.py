@@ -200,19 +200,25 @@ def _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, n
     t = 0
     if HAS_INT8_DOT and not block_sums and T >= GROUP_TOKENS and (bits < 8 or not HAS_VNNI):
         while T - t >= GROUP_TOKENS:
-            _group_vnni(data, w_off, xq, t * n_blk * 32, xd, xs, xn4, t * n_blk, n_blk, offset, bits, has_min, acc)
+            ahead_at, ahead_lines = next_tile_share(stored, nt, tile_bytes, t, t + GROUP_TOKENS, T)
+            _group_vnni(data, w_off, xq, t * n_blk * 32, xd, xs, xn4, t * n_blk, n_blk, offset, bits, has_min,
+                        stored, ahead_at, ahead_lines, acc)
             for k in range(GROUP_TOKENS):
                 _store_row(acc[k * 9 * R:], out, t + k, nt, has_min, False)
-            prefetch_next_tile(stored, nt, tile_bytes, t, t + GROUP_TOKENS, T)
+            if not HAS_VNNI:
+                prefetch_next_tile(stored, nt, tile_bytes, t, t + GROUP_TOKENS, T)
             t += GROUP_TOKENS
     for t in range(t, T):
         if HAS_INT8_DOT:
+            ahead_at, ahead_lines = next_tile_share(stored, nt, tile_bytes, t, t + 1, T)
             _tile_vnni(data, w_off, xq, t * n_blk * 32, xd, xs, xn4, t * n_blk, n_blk, offset, bits, has_min,
-                       block_sums, T >= BATCH_WALK_MIN_TOKENS, acc)
+                       block_sums, T >= BATCH_WALK_MIN_TOKENS, stored, ahead_at, ahead_lines, acc)
+            if not HAS_VNNI:
+                prefetch_next_tile(stored, nt, tile_bytes, t, t + 1, T)
         else:
             _tile_portable(data, w_off, xq, t, xd, xs, xn4, n_blk, offset, bits, has_min, block_sums, acc)
+            prefetch_next_tile(stored, nt, tile_bytes, t, t + 1, T)
         _store_row(acc, out, t, nt, has_min, block_sums)
-        prefetch_next_tile(stored, nt, tile_bytes, t, t + 1, T)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -228,6 +234,18 @@ def prefetch_next_tile(data, nt, tile_bytes, t0, t1, T):
     part = (tile_bytes + T - 1) // T
     stop = min(start + min(t1 * part, tile_bytes), data.size)
     prefetch_l2(data, min(start + t0 * part, stop), stop)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def next_tile_share(data, nt, tile_bytes, t0, t1, T):
+    """prefetch_next_tile's lines as (first byte, number of lines), for a walk to ask for."""
+    if T < PREFETCH_MIN_TOKENS:
+        return 0, 0
+    start = (nt + 1) * tile_bytes
+    part = (tile_bytes + T - 1) // T
+    stop = min(start + min(t1 * part, tile_bytes), data.size)
+    first = min(start + t0 * part, stop)
+    return first, (stop - first + 63) // 64
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -258,38 +276,40 @@ def _widen_5(data, w_off, n_blk, has_min):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _tile_vnni(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, bits, has_min, block_sums, batch, acc):
+def _tile_vnni(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, bits, has_min, block_sums, batch,
+               ahead, ahead_at, ahead_lines, acc):
     if block_sums:  # Q4_0 only
-        gemv_4_blocks(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
+        gemv_4_blocks(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, ahead, ahead_at, ahead_lines, acc)
     elif bits == 4 and has_min:
-        gemv_4_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
+        gemv_4_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, ahead, ahead_at, ahead_lines, acc)
     elif bits == 4:
-        gemv_4(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
+        gemv_4(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, ahead, ahead_at, ahead_lines, acc)
     elif bits == 5 and has_min:
-        gemv_5_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
+        gemv_5_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, ahead, ahead_at, ahead_lines, acc)
     elif bits == 5:
-        gemv_5(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
+        gemv_5(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, ahead, ahead_at, ahead_lines, acc)
     elif has_min:
-        gemv_8_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
+        gemv_8_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, ahead, ahead_at, ahead_lines, acc)
     else:
-        gemv_8(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, acc)
+        gemv_8(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, ahead, ahead_at, ahead_lines, acc)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _group_vnni(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, bits, has_min, acc):
+def _group_vnni(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, bits, has_min, ahead, ahead_at, ahead_lines,
+                acc):
     """GROUP_TOKENS tokens from x_off (lanes_gemv._token_group_512, _token_group)."""
     if bits == 4 and has_min:
-        group_4_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
+        group_4_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
     elif bits == 4:
-        group_4(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
+        group_4(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
     elif bits == 5 and has_min:
-        group_5_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
+        group_5_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
     elif bits == 5:
-        group_5(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
+        group_5(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
     elif has_min:
-        group_8_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
+        group_8_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
     else:
-        group_8(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, acc)
+        group_8(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

@@ -19,7 +19,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import open_loop, prefetch_line
+from .simd import ask_ahead, open_loop, prefetch_line
 from .vnni import HAS_VNNI, R, dpbusd, dpbusd8
 
 _I8X64 = ir.VectorType(ir.IntType(8), 64)
@@ -226,12 +226,12 @@ def _token_group(builder, fma, wp, xp, xdp, xsp, outp, b_o, n_blk, offset, c, bi
         end_quarters([])
 
 
-def _token_group_512(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, n_tok):
+def _token_group_512(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, n_tok, ahead):
     """AVX-512, n_tok consecutive tokens of a batch against the tile: the walk goes in passes of
     16 // n_tok lanes over one half of the rows (16), so that the n_tok * lanes accumulators
     stay in registers and each code load (and nibble unpacking) serves every token. Each
     accumulator takes the fmas of _one_pass, block by block: the same floats. out as
-    _token_group's."""
+    _token_group's; ahead as _one_pass's, spread over every pass's blocks."""
     code_bytes = CODE_BYTES[bits]
     block_bytes = code_bytes + 2 * R * (2 if has_min else 1)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X16, [_F32X16] * 3), "llvm.fma.v16f32")
@@ -254,6 +254,8 @@ def _token_group_512(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c
     lanes_at = [builder.add(lane0, c(j)) for j in range(n_lanes)]
     b, accs, finish = open_loop(builder, n_blk, [zero_f] * (n_tok * n_lanes))
     wb = builder.mul(b, c(block_bytes))
+    ask_ahead(builder, ahead, c, builder.mul(n_blk, c(2 * 8 // n_lanes)), builder.add(builder.mul(p, n_blk), b),
+              AHEAD_LINES_A_BLOCK)
     dw = builder.fpext(builder.bitcast(_load(builder, wp, builder.add(wb, builder.add(c(code_bytes), builder.mul(
         first, c(2)))), _I16X16), _F16X16), _F32X16)
     codes = [_codes(builder, wp, wb, bits, (builder.udiv(lane, c(2)), j % 2), first, 16, c)
@@ -293,9 +295,15 @@ def _token_group_512(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c
 WALK_AHEAD_BYTES = 4096
 
 
-def _one_pass(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, block_sums):
+# A walk asks for at most this many cache lines ahead at each block (a share of a batch's next
+# tile: 43 lines a token over 20 blocks for Gemma 3's Q8_0 output tiles at 8 tokens)
+AHEAD_LINES_A_BLOCK = 5
+
+
+def _one_pass(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, block_sums, ahead=None):
     """The tile's 32 rows in one walk over its blocks: 16 accumulators of 16 floats (AVX-512's
-    registers; on AVX2 a lone token, and each token of a batch of 2 or 3)."""
+    registers; on AVX2 a lone token, and each token of a batch of 2 or 3). ahead: (pointer,
+    n_lines), cache lines (the next tile's) asked for into L2 along the walk."""
     code_bytes = CODE_BYTES[bits]
     block_bytes = code_bytes + 2 * R * (2 if has_min else 1)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X16, [_F32X16] * 3), "llvm.fma.v16f32")
@@ -304,6 +312,8 @@ def _one_pass(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits,
 
     b, accs, finish = open_loop(builder, n_blk, [zero_f] * n_acc)
     wb = builder.mul(b, c(block_bytes))
+    if ahead is not None:
+        ask_ahead(builder, ahead, c, n_blk, b, AHEAD_LINES_A_BLOCK)
     if HAS_VNNI and bits < 8:  # each block asks for the block WALK_AHEAD_BYTES on into L2
         ahead = builder.add(wb, c(WALK_AHEAD_BYTES // block_bytes * block_bytes))
         for k in range(block_bytes // 64):
@@ -342,24 +352,28 @@ def _one_pass(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits,
 
 def _make(bits: int, has_min: bool, block_sums: bool = False):
     @intrinsic
-    def lanes_gemv(typingctx, w, w_off, x, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, out):
+    def lanes_gemv(typingctx, w, w_off, x, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, ahead, ahead_at,
+                   ahead_lines, out):
         """w: the tile's bytes from w_off; x (int8) from x_off; xd/xs per block and xn4 per lane
         from b_off; out (9 * R,) float32. batch: a token of a batch (the tile in cache), which
-        AVX2 walks in quarters (_quarters; the same floats)."""
+        AVX2 walks in quarters (_quarters; the same floats). With AVX-512 VNNI the walk asks for
+        ahead_lines cache lines of `ahead` (bytes) from byte ahead_at into L2 on its way."""
         sig = types.void(w, types.intp, x, types.intp, xd, xs, xn4, types.intp, types.intp, types.int32,
-                         types.boolean, out)
+                         types.boolean, ahead, types.intp, types.intp, out)
 
         def codegen(context, builder, signature, args):
-            (w_a, w_o, x_a, x_o, xd_a, xs_a, xn_a, b_o, n_blk, offset, batch, out_a) = args
+            (w_a, w_o, x_a, x_o, xd_a, xs_a, xn_a, b_o, n_blk, offset, batch, ah_a, ah_o, ah_n, out_a) = args
             a = signature.args
             wp = builder.bitcast(builder.gep(_data(context, builder, a[0], w_a), [w_o]), ir.IntType(8).as_pointer())
             xp = builder.bitcast(builder.gep(_data(context, builder, a[2], x_a), [x_o]), ir.IntType(8).as_pointer())
             xdp, xsp, xnp = (_data(context, builder, a[i], v) for i, v in ((4, xd_a), (5, xs_a), (6, xn_a)))
-            outp = _data(context, builder, a[11], out_a)
+            outp = _data(context, builder, a[14], out_a)
             c = lambda v: ir.Constant(w_o.type, v)  # noqa: E731
             tile = (wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, block_sums)
             if HAS_VNNI:
-                _one_pass(builder, *tile)
+                ap = builder.bitcast(builder.gep(_data(context, builder, a[11], ah_a), [ah_o]),
+                                     ir.IntType(8).as_pointer())
+                _one_pass(builder, *tile, ahead=(ap, ah_n))
                 return context.get_dummy_value()
             fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X8, [_F32X8] * 3),
                                                   "llvm.fma.v8f32")
@@ -387,22 +401,27 @@ gemv_8, gemv_8_min = _make(8, False), _make(8, True)
 
 def _make_group(bits: int, has_min: bool, n_tok: int):
     @intrinsic
-    def lanes_group(typingctx, w, w_off, x, x_off, xd, xs, xn4, b_off, n_blk, offset, out):
+    def lanes_group(typingctx, w, w_off, x, x_off, xd, xs, xn4, b_off, n_blk, offset, ahead, ahead_at, ahead_lines,
+                    out):
         """n_tok tokens of a batch against the tile at w_off (_token_group_512 with AVX-512
         VNNI, else _token_group), the first's codes from x_off and its xd/xs/xn4 from b_off;
-        out (n_tok * 9 R,)."""
-        sig = types.void(w, types.intp, x, types.intp, xd, xs, xn4, types.intp, types.intp, types.int32, out)
+        out (n_tok * 9 R,). ahead, ahead_at, ahead_lines: as lanes_gemv's."""
+        sig = types.void(w, types.intp, x, types.intp, xd, xs, xn4, types.intp, types.intp, types.int32,
+                         ahead, types.intp, types.intp, out)
 
         def codegen(context, builder, signature, args):
-            (w_a, w_o, x_a, x_o, xd_a, xs_a, xn_a, b_o, n_blk, offset, out_a) = args
+            (w_a, w_o, x_a, x_o, xd_a, xs_a, xn_a, b_o, n_blk, offset, ah_a, ah_o, ah_n, out_a) = args
             a = signature.args
             wp = builder.bitcast(builder.gep(_data(context, builder, a[0], w_a), [w_o]), ir.IntType(8).as_pointer())
             xp = builder.bitcast(builder.gep(_data(context, builder, a[2], x_a), [x_o]), ir.IntType(8).as_pointer())
             xdp, xsp, xnp = (_data(context, builder, a[i], v) for i, v in ((4, xd_a), (5, xs_a), (6, xn_a)))
-            outp = _data(context, builder, a[10], out_a)
+            outp = _data(context, builder, a[13], out_a)
             c = lambda v: ir.Constant(w_o.type, v)  # noqa: E731
             if HAS_VNNI:
-                _token_group_512(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, n_tok)
+                ap = builder.bitcast(builder.gep(_data(context, builder, a[10], ah_a), [ah_o]),
+                                     ir.IntType(8).as_pointer())
+                _token_group_512(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, n_tok,
+                                 (ap, ah_n))
                 return context.get_dummy_value()
             fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X8, [_F32X8] * 3),
                                                   "llvm.fma.v8f32")

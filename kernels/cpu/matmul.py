@@ -25,7 +25,7 @@ import numpy as np
 
 from .f16 import f16_round
 from .fma import fma
-from .lanes import aligned_zeros, prefetch_next_tile
+from .lanes import aligned_zeros, next_tile_share, prefetch_next_tile
 from .q4_k import gemm_row_q4_k, gemv_q4_k
 from .q6_k import tiled_q6_k_1, tiled_q6_k_4, vec_dot_q6_k
 from .simd import quantize_block_32
@@ -191,22 +191,17 @@ def _q4_k_tile_vnni(data, sc, mins, sb, xq, xd, xn32, nt, n_gemm, out):
     n0 = nt * R
     row_out = np.empty(R, np.float32)
     for t in range(T):
+        ahead_at, ahead_lines = next_tile_share(data, nt, n_sub * 16 * R, t, t + 1, T)  # the codes
         if t < n_gemm:
-            gemm_row_q4_k(data, w_off, sc, mins, sb, nt, xq, t * K, xd, xn32, t, n_sub // 8, row_out)
+            gemm_row_q4_k(data, w_off, sc, mins, sb, nt, xq, t * K, xd, xn32, t, n_sub // 8, data, ahead_at,
+                          ahead_lines, row_out)
         else:
-            gemv_q4_k(data, w_off, sc, mins, sb, nt, xq, t * K, xd, xn32, t, n_sub // 8, row_out)
+            gemv_q4_k(data, w_off, sc, mins, sb, nt, xq, t * K, xd, xn32, t, n_sub // 8, data, ahead_at, ahead_lines,
+                      row_out)
         for r in range(min(R, N - n0)):
             out[t, n0 + r] = row_out[r]
-        _prefetch_q4_k(data, sc, mins, nt, t, T)
-
-
-@nb.njit(inline="always", cache=True, nogil=True)
-def _prefetch_q4_k(data, sc, mins, nt, t, T):
-    """prefetch_next_tile for a Q4_K tile's codes and its sub-block scales and mins (int8)."""
-    n_sub = sc.shape[1]
-    prefetch_next_tile(data, nt, n_sub * 16 * R, t, t + 1, T)
-    prefetch_next_tile(sc, nt, n_sub * R, t, t + 1, T)
-    prefetch_next_tile(mins, nt, n_sub * R, t, t + 1, T)
+        prefetch_next_tile(sc, nt, n_sub * R, t, t + 1, T)  # the sub-block scales and mins (int8)
+        prefetch_next_tile(mins, nt, n_sub * R, t, t + 1, T)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
@@ -295,22 +290,22 @@ def _q6_k_tile_vnni(data, sc, sb, xq, xd, xn4, xn16, nt, tiled, out):
     t = 0
     while t < T:
         n_tok = 4 if tiled and T - t >= 4 else 1
+        ahead = next_tile_share(data, nt, K * R, t, t + n_tok, T)  # the codes
         if n_tok == 4:
-            tiled_q6_k_4(data, w_off, sc, sb, nt, xq, t * K, xd, xn4, xn16, t, n_sb, acc)
+            tiled_q6_k_4(data, w_off, sc, sb, nt, xq, t * K, xd, xn4, xn16, t, n_sb, data, *ahead, acc)
             for k in range(4):
                 for r in range(n_rows):
                     out[t + k, n0 + r] = acc[k * R + r]
         elif tiled:
-            tiled_q6_k_1(data, w_off, sc, sb, nt, xq, t * K, xd, xn4, xn16, t, n_sb, acc)
+            tiled_q6_k_1(data, w_off, sc, sb, nt, xq, t * K, xd, xn4, xn16, t, n_sb, data, *ahead, acc)
             for r in range(n_rows):
                 out[t, n0 + r] = acc[r]
         else:
-            vec_dot_q6_k(data, w_off, sc, sb, nt, xq, t * K, xd, xn4, xn16, t, n_sb, acc)
+            vec_dot_q6_k(data, w_off, sc, sb, nt, xq, t * K, xd, xn4, xn16, t, n_sb, data, *ahead, acc)
             for r in range(n_rows):
                 out[t, n0 + r] = (((acc[r] + acc[4 * R + r]) + (acc[2 * R + r] + acc[6 * R + r]))
                                   + ((acc[R + r] + acc[5 * R + r]) + (acc[3 * R + r] + acc[7 * R + r])))
-        prefetch_next_tile(data, nt, K * R, t, t + n_tok, T)  # the codes, then the 16-column scales
-        prefetch_next_tile(sc, nt, K // 16 * R, t, t + n_tok, T)
+        prefetch_next_tile(sc, nt, K // 16 * R, t, t + n_tok, T)  # the 16-column scales
         t += n_tok
 
 

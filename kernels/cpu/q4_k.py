@@ -14,7 +14,7 @@ from numba.extending import intrinsic
 from .q6_k import _Emitter, _I8X64, _I32, _I32X16, _F32X16
 from .vnni import R
 
-_W, _W_OFF, _SC, _MINS, _SB, _NT, _X, _X_OFF, _XD, _XN32, _T, _N_SB, _OUT = range(13)
+_W, _W_OFF, _SC, _MINS, _SB, _NT, _X, _X_OFF, _XD, _XN32, _T, _N_SB, _AHEAD, _OUT = (*range(13), 15)
 
 
 def _make_q4_k_rows(fma_every):
@@ -23,10 +23,12 @@ def _make_q4_k_rows(fma_every):
     sub-blocks, which the batch rows in groups of 4 take)."""
 
     @intrinsic
-    def q4_k_rows(typingctx, w, w_off, sc, mins, sb, nt, x, x_off, xd, xn32, t, n_sb, out):
-        """Tile nt (codes from w_off) times token t (codes from x_off), n_sb super-blocks."""
+    def q4_k_rows(typingctx, w, w_off, sc, mins, sb, nt, x, x_off, xd, xn32, t, n_sb, ahead, ahead_at, ahead_lines,
+                  out):
+        """Tile nt (codes from w_off) times token t (codes from x_off), n_sb super-blocks; on
+        the way it asks for ahead_lines cache lines of `ahead` from byte ahead_at (into L2)."""
         sig = types.void(w, types.intp, sc, mins, sb, types.intp, x, types.intp, xd, xn32, types.intp,
-                         types.intp, out)
+                         types.intp, ahead, types.intp, types.intp, out)
 
         def codegen(context, builder, signature, args):
             e = _Emitter(context, builder, signature, args, args[_W_OFF].type)
@@ -35,6 +37,7 @@ def _make_q4_k_rows(fma_every):
             zero_i, zero_f = ir.Constant(_I32X16, None), ir.Constant(_F32X16, None)
             low, four = ir.Constant(_I8X64, [15] * 64), ir.Constant(_I8X64, [4] * 64)
             s, accs, finish = e.loop(args[_N_SB], [zero_f] * 4)  # acc[half], acc_min[half]
+            e.ask_ahead(args, _AHEAD, args[_N_SB], s, 8)
             # the activations' scale is one per super-block (Q8_K)
             da = e.splat(e.scalar(_XD, b.add(b.mul(args[_T], n_sub), b.mul(s, c(8)))), _F32X16)
             sb_row = b.mul(b.add(b.mul(args[_NT], b.mul(args[_N_SB], c(2))), b.mul(s, c(2))), c(R))

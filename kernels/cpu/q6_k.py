@@ -13,7 +13,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import open_loop
+from .simd import ask_ahead, open_loop
 from .vnni import R, dpbusd
 
 _I8X64 = ir.VectorType(ir.IntType(8), 64)
@@ -66,19 +66,27 @@ class _Emitter:
     def store(self, arg, offset, value):
         self.b.store(value, self.b.bitcast(self.at(arg, offset), value.type.as_pointer()), align=4)
 
+    def ask_ahead(self, args, first, n_steps, step, max_lines):
+        """simd.ask_ahead for the lines the caller passed as (array, byte, n_lines) from args[first]."""
+        ap = self.b.bitcast(self.at(first, args[first + 1]), ir.IntType(8).as_pointer())
+        ask_ahead(self.b, (ap, args[first + 2]), self.c, n_steps, step, max_lines)
 
-# argument indices of both intrinsics
-_W, _W_OFF, _SC, _SB, _NT, _X, _X_OFF, _XD, _XN4, _XN16, _T, _N_SB, _OUT = range(13)
+
+# argument indices of both intrinsics; _AHEAD: (array, byte, n_lines), the cache lines (the
+# next tile's share) that the walk asks for on its way (simd.ask_ahead)
+_W, _W_OFF, _SC, _SB, _NT, _X, _X_OFF, _XD, _XN4, _XN16, _T, _N_SB, _AHEAD, _OUT = (*range(13), 15)
 
 
-def _signature(w, sc, sb, x, xd, xn4, xn16, out):
-    return types.void(w, types.intp, sc, sb, types.intp, x, types.intp, xd, xn4, xn16, types.intp, types.intp, out)
+def _signature(w, sc, sb, x, xd, xn4, xn16, ahead, out):
+    return types.void(w, types.intp, sc, sb, types.intp, x, types.intp, xd, xn4, xn16, types.intp, types.intp,
+                      ahead, types.intp, types.intp, out)
 
 
 @intrinsic
-def vec_dot_q6_k(typingctx, w, w_off, sc, sb, nt, x, x_off, xd, xn4, xn16, t, n_sb, out):
+def vec_dot_q6_k(typingctx, w, w_off, sc, sb, nt, x, x_off, xd, xn4, xn16, t, n_sb, ahead, ahead_at, ahead_lines,
+                 out):
     """Tile nt (codes from w_off) times token t (codes from x_off), n_sb super-blocks."""
-    sig = _signature(w, sc, sb, x, xd, xn4, xn16, out)
+    sig = _signature(w, sc, sb, x, xd, xn4, xn16, ahead, out)
 
     def codegen(context, builder, signature, args):
         e = _Emitter(context, builder, signature, args, args[_W_OFF].type)
@@ -87,6 +95,7 @@ def vec_dot_q6_k(typingctx, w, w_off, sc, sb, nt, x, x_off, xd, xn4, xn16, t, n_
         n_blk = b.mul(args[_N_SB], c(8))
         zero_i, zero_f = ir.Constant(_I32X16, None), ir.Constant(_F32X16, None)
         s, accs, finish = e.loop(args[_N_SB], [zero_f] * 16)  # acc[lane][half]
+        e.ask_ahead(args, _AHEAD, args[_N_SB], s, 32)
         isum = [zero_i] * 16
         for j in range(8):
             blk = b.add(b.mul(s, c(8)), c(j))
@@ -124,9 +133,10 @@ def vec_dot_q6_k(typingctx, w, w_off, sc, sb, nt, x, x_off, xd, xn4, xn16, t, n_
 
 def _make_tiled(n_tok: int):
     @intrinsic
-    def tiled_q6_k(typingctx, w, w_off, sc, sb, nt, x, x_off, xd, xn4, xn16, t, n_sb, out):
+    def tiled_q6_k(typingctx, w, w_off, sc, sb, nt, x, x_off, xd, xn4, xn16, t, n_sb, ahead, ahead_at, ahead_lines,
+                   out):
         """Tile nt times tokens t..t+n_tok-1 (token k's codes from x_off + k * K)."""
-        sig = _signature(w, sc, sb, x, xd, xn4, xn16, out)
+        sig = _signature(w, sc, sb, x, xd, xn4, xn16, ahead, out)
 
         def codegen(context, builder, signature, args):
             e = _Emitter(context, builder, signature, args, args[_W_OFF].type)
@@ -135,6 +145,7 @@ def _make_tiled(n_tok: int):
             K = b.mul(args[_N_SB], c(256))
             zero_i, zero_f = ir.Constant(_I32X16, None), ir.Constant(_F32X16, None)
             s, accs, finish = e.loop(args[_N_SB], [zero_f] * (2 * n_tok))  # acc[tok][half]
+            e.ask_ahead(args, _AHEAD, args[_N_SB], s, 64)
             isum = [zero_i] * (2 * n_tok)
             for grp in range(16):  # 16-column groups: 4 steps of 4 columns
                 g = b.add(b.mul(s, c(16)), c(grp))
