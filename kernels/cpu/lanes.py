@@ -279,7 +279,8 @@ def _widen_5(data, w_off, n_blk, has_min):
 def _tile_vnni(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, bits, has_min, block_sums, batch,
                ahead, ahead_at, ahead_lines, acc):
     if block_sums:  # Q4_0 only
-        gemv_4_blocks(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, ahead, ahead_at, ahead_lines, acc)
+        gemv_4_blocks(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, ahead, ahead_at, ahead_lines,
+                      acc)
     elif bits == 4 and has_min:
         gemv_4_min(data, w_off, xq, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, ahead, ahead_at, ahead_lines, acc)
     elif bits == 4:

@@ -37,7 +37,7 @@ def _make_q4_k_rows(fma_every):
             zero_i, zero_f = ir.Constant(_I32X16, None), ir.Constant(_F32X16, None)
             low, four = ir.Constant(_I8X64, [15] * 64), ir.Constant(_I8X64, [4] * 64)
             s, accs, finish = e.loop(args[_N_SB], [zero_f] * 4)  # acc[half], acc_min[half]
-            e.ask_ahead(args, _AHEAD, args[_N_SB], s, 8)
+            e.ask_ahead(args, _AHEAD, args[_N_SB], s, 64)
             # the activations' scale is one per super-block (Q8_K)
             da = e.splat(e.scalar(_XD, b.add(b.mul(args[_T], n_sub), b.mul(s, c(8)))), _F32X16)
             sb_row = b.mul(b.add(b.mul(args[_NT], b.mul(args[_N_SB], c(2))), b.mul(s, c(2))), c(R))

@@ -95,7 +95,7 @@ def vec_dot_q6_k(typingctx, w, w_off, sc, sb, nt, x, x_off, xd, xn4, xn16, t, n_
         n_blk = b.mul(args[_N_SB], c(8))
         zero_i, zero_f = ir.Constant(_I32X16, None), ir.Constant(_F32X16, None)
         s, accs, finish = e.loop(args[_N_SB], [zero_f] * 16)  # acc[lane][half]
-        e.ask_ahead(args, _AHEAD, args[_N_SB], s, 32)
+        e.ask_ahead(args, _AHEAD, args[_N_SB], s, 128)
         isum = [zero_i] * 16
         for j in range(8):
             blk = b.add(b.mul(s, c(8)), c(j))
