@@ -315,9 +315,9 @@ def _one_pass(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits,
     if ahead is not None:
         ask_ahead(builder, ahead, c, n_blk, b, AHEAD_LINES_A_BLOCK)
     if HAS_VNNI and bits < 8:  # each block asks for the block WALK_AHEAD_BYTES on into L2
-        ahead = builder.add(wb, c(WALK_AHEAD_BYTES // block_bytes * block_bytes))
+        block_ahead = builder.add(wb, c(WALK_AHEAD_BYTES // block_bytes * block_bytes))
         for k in range(block_bytes // 64):
-            prefetch_line(builder, builder.gep(wp, [builder.add(ahead, c(64 * k))]), locality=2)
+            prefetch_line(builder, builder.gep(wp, [builder.add(block_ahead, c(64 * k))]), locality=2)
 
     def halves(at):  # 16 float16 values of this block at byte `at` after the codes, as float
         v = _load(builder, wp, builder.add(wb, c(code_bytes + at)), _I16X16)

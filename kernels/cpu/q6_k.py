@@ -72,8 +72,8 @@ class _Emitter:
         ask_ahead(self.b, (ap, args[first + 2]), self.c, n_steps, step, max_lines)
 
 
-# argument indices of both intrinsics; _AHEAD: (array, byte, n_lines), the cache lines (the
-# next tile's share) that the walk asks for on its way (simd.ask_ahead)
+# argument indices of both intrinsics; _AHEAD: (array, byte, n_lines), the cache lines that the
+# walk asks for on its way (simd.ask_ahead; which ones: matmul._walk_ahead)
 _W, _W_OFF, _SC, _SB, _NT, _X, _X_OFF, _XD, _XN4, _XN16, _T, _N_SB, _AHEAD, _OUT = (*range(13), 15)
 
 
