@@ -222,23 +222,13 @@ def _lanes_tile(data, bits, has_min, offset, block_sums, xq, xd, xs, xn4, out, n
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def prefetch_next_tile(data, nt, tile_bytes, t0, t1, T):
-    """Tokens t0..t1 - 1 of a batch of T have walked tile nt (tiles of tile_bytes, one after
-    another in data): the next tile's matching part (1 / T of it a token) comes into L2. A
-    batch walks a tile from memory once and from cache T - 1 times, so the next tile's reads
-    overlap that arithmetic rather than stall the first token's walk. Below PREFETCH_MIN_TOKENS
-    the walk waits on memory anyway, and the hardware prefetcher streams the tiles best."""
-    if T < PREFETCH_MIN_TOKENS:
-        return
-    start = (nt + 1) * tile_bytes
-    part = (tile_bytes + T - 1) // T
-    stop = min(start + min(t1 * part, tile_bytes), data.size)
-    prefetch_l2(data, min(start + t0 * part, stop), stop)
-
-
-@nb.njit(inline="always", cache=True, nogil=True)
 def next_tile_share(data, nt, tile_bytes, t0, t1, T):
-    """prefetch_next_tile's lines as (first byte, number of lines), for a walk to ask for."""
+    """The part of the next tile that tokens t0..t1 - 1 of a batch of T ask for while they walk
+    tile nt (tiles of tile_bytes, one after another in data), 1 / T of it a token, as (first
+    byte, number of cache lines). A batch walks a tile from memory once and from cache T - 1
+    times, so the next tile's reads overlap that arithmetic rather than stall the first token's
+    walk. Below PREFETCH_MIN_TOKENS the walk waits on memory anyway, and the hardware
+    prefetcher streams the tiles best: no lines."""
     if T < PREFETCH_MIN_TOKENS:
         return 0, 0
     start = (nt + 1) * tile_bytes
@@ -246,6 +236,13 @@ def next_tile_share(data, nt, tile_bytes, t0, t1, T):
     stop = min(start + min(t1 * part, tile_bytes), data.size)
     first = min(start + t0 * part, stop)
     return first, (stop - first + 63) // 64
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def prefetch_next_tile(data, nt, tile_bytes, t0, t1, T):
+    """next_tile_share's lines asked for at once, after the walk (AVX2's walks, small arrays)."""
+    first, n_lines = next_tile_share(data, nt, tile_bytes, t0, t1, T)
+    prefetch_l2(data, first, first + 64 * n_lines)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

@@ -191,13 +191,11 @@ def _q4_k_tile_vnni(data, sc, mins, sb, xq, xd, xn32, nt, n_gemm, out):
     n0 = nt * R
     row_out = np.empty(R, np.float32)
     for t in range(T):
-        ahead_at, ahead_lines = _walk_ahead(data, nt, n_sub * 16 * R, t, t + 1, T)  # the codes
+        ahead = _walk_ahead(data, nt, n_sub * 16 * R, t, t + 1, T)  # the codes
         if t < n_gemm:
-            gemm_row_q4_k(data, w_off, sc, mins, sb, nt, xq, t * K, xd, xn32, t, n_sub // 8, data, ahead_at,
-                          ahead_lines, row_out)
+            gemm_row_q4_k(data, w_off, sc, mins, sb, nt, xq, t * K, xd, xn32, t, n_sub // 8, data, *ahead, row_out)
         else:
-            gemv_q4_k(data, w_off, sc, mins, sb, nt, xq, t * K, xd, xn32, t, n_sub // 8, data, ahead_at, ahead_lines,
-                      row_out)
+            gemv_q4_k(data, w_off, sc, mins, sb, nt, xq, t * K, xd, xn32, t, n_sub // 8, data, *ahead, row_out)
         for r in range(min(R, N - n0)):
             out[t, n0 + r] = row_out[r]
         prefetch_next_tile(sc, nt, n_sub * R, t, t + 1, T)  # the sub-block scales and mins (int8)

@@ -431,15 +431,14 @@ def ask_ahead(builder, ahead, c, n_steps, step, max_lines):
     """Step `step` of a walk of n_steps asks for its share of the cache lines ahead = (pointer,
     n_lines) (n_lines 0: none) into L2, the lines spread evenly over the steps, at most
     max_lines a step. Straight-line code in groups of 8 lines, each group skipped when the
-    share is smaller: a loop here would split the walk's loop, and its accumulators would go
-    through the stack."""
+    share is smaller (all of them when it is 0): a loop here would split the walk's loop, and
+    its accumulators would go through the stack."""
     ap, n_lines = ahead
     per_step = builder.udiv(builder.add(n_lines, builder.sub(n_steps, c(1))), n_steps)
     first, last = builder.mul(step, per_step), builder.sub(n_lines, c(1))
     smaller = lambda u, v: builder.select(builder.icmp_signed("<", u, v), u, v)  # noqa: E731
     for group in range(0, max_lines, 8):
-        with builder.if_then(builder.and_(builder.icmp_signed(">", n_lines, c(0)),
-                                          builder.icmp_signed(">", per_step, c(group)))):
+        with builder.if_then(builder.icmp_signed(">", per_step, c(group))):
             for k in range(group, min(group + 8, max_lines)):
                 line = smaller(builder.add(first, smaller(c(k), builder.sub(per_step, c(1)))), last)
                 prefetch_line(builder, builder.gep(ap, [builder.mul(line, c(64))]), locality=2)
