@@ -184,11 +184,12 @@ def test_lanes_tiles_hold_the_file_size_and_sum_like_the_portable_path(name, n_r
     assert np.array_equal(layers.linear(w, x[:7]), one_by_one[:7])
 
     q, _, _, _, xd, xs, _, xn4 = layers.quantize(x, mm.KIND_IDS[fmt.activation])
+    starts = lanes.lane_starts(xn4, np.int32(fmt.code_offset), fmt.has_bias)
     n_blk, acc, portable = cols // 32, np.empty(9 * mm.R, np.float32), np.empty_like(batch)
     for t in range(12):
         for nt in range(n_tiles):
             w_off = nt * n_blk * lanes.block_bytes(fmt.code_bits, fmt.has_bias)
-            lanes._tile_portable(w[0], w_off, q, t, xd, xs, xn4, n_blk, np.int32(fmt.code_offset), fmt.code_bits,
+            lanes._tile_portable(w[0], w_off, q, t, xd, xs, starts, n_blk, np.int32(fmt.code_offset), fmt.code_bits,
                                  fmt.has_bias, block_sums, acc)
             a = acc.reshape(9, mm.R)
             h = a[0] if block_sums else (((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))

@@ -4,8 +4,9 @@ arithmetic (decode's product, and every token of a batch).
 For a single token the whole walk over a tile fits in registers, so this intrinsic writes it
 as one LLVM loop: per 32-column block b, with the tile's R = 32 rows as 2 x 16 vector lanes,
 
-    lane[l]  = sum_{j<4} code[r, 32b + 4l + j] * x[32b + 4l + j] - offset * xn4[8b + l]
-               (vpdpbusd started from -offset * sum(x): exact int32)
+    lane[l]  = sum_{j<4} code[r, 32b + 4l + j] * x[32b + 4l + j] - offset * n4[8b + l]
+               (vpdpbusd started from x_starts[8b + l] = -offset * n4, the activations' code
+                sums of each 4 columns: exact int32)
     acc[l]  = fma(d_w[b, r] * d_x[b], float(lane[l]), acc[l])
     summs   = fma(m_w[b, r], s_x[b], summs)                              (formats with a min)
 
@@ -80,11 +81,12 @@ def _splat_to(builder, value, vector_type):
                                   ir.Constant(ir.VectorType(_I32, vector_type.count), [0] * vector_type.count))
 
 
-def _lane_x(builder, xp, xnp, b, xb, lane, offset, c, n, x_at=None):
+def _lane_x(builder, xp, startp, b, xb, lane, offset, c, n, x_at=None):
     """For block b and lane `lane` (a number or an LLVM value): the 4 activation bytes in each
-    of n int32 lanes (<4n x i8>), and the dot product's start, -offset * their code sum
-    (<n x i32>): lane - shift, exactly. offset None: the codes need no shift (formats with a
-    min), the start is 0. x_at: the token's first code, if not at xp; xb: its block b's index."""
+    of n int32 lanes (<4n x i8>), and the dot product's start, -offset * their code sum, as
+    lanes.lane_starts stored it at startp (<n x i32>): lane - shift, exactly. offset None: the codes need no
+    shift (formats with a min), the start is 0. x_at: the token's first code, if not at xp; xb:
+    its block b's index."""
     i32s = ir.VectorType(_I32, n)
     lane = c(lane) if isinstance(lane, int) else lane
     col = builder.add(builder.mul(b, c(32)), builder.mul(lane, c(4)))
@@ -93,8 +95,8 @@ def _lane_x(builder, xp, xnp, b, xb, lane, offset, c, n, x_at=None):
     xv = builder.bitcast(_splat_to(builder, x4, i32s), ir.VectorType(ir.IntType(8), 4 * n))
     if offset is None:
         return xv, ir.Constant(i32s, None)
-    n4 = builder.load(builder.gep(xnp, [builder.add(builder.mul(xb, c(8)), lane)]))
-    return xv, _splat_to(builder, builder.neg(builder.mul(offset, n4)), i32s)
+    start = builder.load(builder.gep(startp, [builder.add(builder.mul(xb, c(8)), lane)]))
+    return xv, _splat_to(builder, start, i32s)
 
 
 def _halves8(builder, wp, wb, base, first, c):
@@ -133,7 +135,7 @@ def _dot4(builder, codes, xv, offset, signed):
     return builder.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(_I32, 16), list(range(16))))
 
 
-def _quarters(builder, fma, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, block_sums):
+def _quarters(builder, fma, wp, xp, xdp, xsp, startp, outp, b_o, n_blk, offset, c, bits, has_min, block_sums):
     """AVX2 (16 vector registers): the tile as 4 passes over its blocks, 8 rows each (a loop,
     not unrolled: one copy of the walk to compile), so that a pass's 8 lane accumulators (+
     summs) stay in registers. Each row's steps are the 32-row walk's, in the same order: the
@@ -151,7 +153,7 @@ def _quarters(builder, fma, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, 
     dd = builder.fmul(_halves8(builder, wp, wb, code_bytes, first, c), xd)
     news, total = [], None
     for lane in range(8):
-        xv, start = _lane_x(builder, xp, xnp, b, xb, lane, None if has_min else offset, c, 8)
+        xv, start = _lane_x(builder, xp, startp, b, xb, lane, None if has_min else offset, c, 8)
         lanes = dpbusd8(builder, start, _codes(builder, wp, wb, bits, lane, first, 8, c), xv, small=bits < 8)
         if block_sums:  # the block's exact sum in lane 0's accumulator, the others stay 0
             total = lanes if total is None else builder.add(total, lanes)
@@ -226,7 +228,7 @@ def _token_group(builder, fma, wp, xp, xdp, xsp, outp, b_o, n_blk, offset, c, bi
         end_quarters([])
 
 
-def _token_group_512(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, n_tok, ahead):
+def _token_group_512(builder, wp, xp, xdp, xsp, startp, outp, b_o, n_blk, offset, c, bits, has_min, n_tok, ahead):
     """AVX-512, n_tok consecutive tokens of a batch against the tile: the walk goes in passes of
     16 // n_tok lanes over one half of the rows (16), so that the n_tok * lanes accumulators
     stay in registers and each code load (and nibble unpacking) serves every token. Each
@@ -265,7 +267,7 @@ def _token_group_512(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c
         dd = builder.fmul(dw, block_value(k, b, xdp))
         xb = builder.add(b_at[k], b)
         for j, lane in enumerate(lanes_at):
-            xv, start = _lane_x(builder, xp, xnp, b, xb, lane, None if has_min else offset, c, 16, x_at[k])
+            xv, start = _lane_x(builder, xp, startp, b, xb, lane, None if has_min else offset, c, 16, x_at[k])
             sums = dpbusd(builder, start, codes[j], xv, small=bits < 8)
             news.append(builder.call(fma, [dd, builder.sitofp(sums, _F32X16), accs[k * n_lanes + j]]))
     results = finish(news)
@@ -300,7 +302,7 @@ WALK_AHEAD_BYTES = 4096
 AHEAD_LINES_A_BLOCK = 5
 
 
-def _one_pass(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, block_sums, ahead=None):
+def _one_pass(builder, wp, xp, xdp, xsp, startp, outp, b_o, n_blk, offset, c, bits, has_min, block_sums, ahead=None):
     """The tile's 32 rows in one walk over its blocks: 16 accumulators of 16 floats (AVX-512's
     registers; on AVX2 a lone token, and each token of a batch of 2 or 3). ahead: (pointer,
     n_lines), cache lines (the next tile's) asked for into L2 along the walk."""
@@ -328,7 +330,7 @@ def _one_pass(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits,
     dd = [builder.fmul(halves(32 * h), xdv) for h in range(2)]
     news, totals = [], [None, None]
     for lane in range(8):
-        xv, start = _lane_x(builder, xp, xnp, b, xb, lane, None if has_min else offset, c, 16)
+        xv, start = _lane_x(builder, xp, startp, b, xb, lane, None if has_min else offset, c, 16)
         for h in range(2):
             codes = _codes(builder, wp, wb, bits, lane, 16 * h, 16, c)
             lanes = (_dot4(builder, codes, xv, offset, True) if bits == 8 and not HAS_VNNI
@@ -352,24 +354,24 @@ def _one_pass(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits,
 
 def _make(bits: int, has_min: bool, block_sums: bool = False):
     @intrinsic
-    def lanes_gemv(typingctx, w, w_off, x, x_off, xd, xs, xn4, b_off, n_blk, offset, batch, ahead, ahead_at,
+    def lanes_gemv(typingctx, w, w_off, x, x_off, xd, xs, x_starts, b_off, n_blk, offset, batch, ahead, ahead_at,
                    ahead_lines, out):
-        """w: the tile's bytes from w_off; x (int8) from x_off; xd/xs per block and xn4 per lane
-        from b_off; out (9 * R,) float32. batch: a token of a batch (the tile in cache), which
-        AVX2 walks in quarters (_quarters; the same floats). With AVX-512 VNNI the walk asks for
+        """w: the tile's bytes from w_off; x (int8) from x_off; xd/xs per block and x_starts
+        (lanes.lane_starts) per lane from b_off; out (9 * R,) float32. batch: a token of a
+        batch (the tile in cache), which AVX2 walks in quarters (_quarters; the same floats). With AVX-512 VNNI the walk asks for
         ahead_lines cache lines of `ahead` (bytes) from byte ahead_at into L2 on its way."""
-        sig = types.void(w, types.intp, x, types.intp, xd, xs, xn4, types.intp, types.intp, types.int32,
+        sig = types.void(w, types.intp, x, types.intp, xd, xs, x_starts, types.intp, types.intp, types.int32,
                          types.boolean, ahead, types.intp, types.intp, out)
 
         def codegen(context, builder, signature, args):
-            (w_a, w_o, x_a, x_o, xd_a, xs_a, xn_a, b_o, n_blk, offset, batch, ah_a, ah_o, ah_n, out_a) = args
+            (w_a, w_o, x_a, x_o, xd_a, xs_a, st_a, b_o, n_blk, offset, batch, ah_a, ah_o, ah_n, out_a) = args
             a = signature.args
             wp = builder.bitcast(builder.gep(_data(context, builder, a[0], w_a), [w_o]), ir.IntType(8).as_pointer())
             xp = builder.bitcast(builder.gep(_data(context, builder, a[2], x_a), [x_o]), ir.IntType(8).as_pointer())
-            xdp, xsp, xnp = (_data(context, builder, a[i], v) for i, v in ((4, xd_a), (5, xs_a), (6, xn_a)))
+            xdp, xsp, startp = (_data(context, builder, a[i], v) for i, v in ((4, xd_a), (5, xs_a), (6, st_a)))
             outp = _data(context, builder, a[14], out_a)
             c = lambda v: ir.Constant(w_o.type, v)  # noqa: E731
-            tile = (wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, block_sums)
+            tile = (wp, xp, xdp, xsp, startp, outp, b_o, n_blk, offset, c, bits, has_min, block_sums)
             if HAS_VNNI:
                 ap = builder.bitcast(builder.gep(_data(context, builder, a[11], ah_a), [ah_o]),
                                      ir.IntType(8).as_pointer())
@@ -401,26 +403,26 @@ gemv_8, gemv_8_min = _make(8, False), _make(8, True)
 
 def _make_group(bits: int, has_min: bool, n_tok: int):
     @intrinsic
-    def lanes_group(typingctx, w, w_off, x, x_off, xd, xs, xn4, b_off, n_blk, offset, ahead, ahead_at, ahead_lines,
+    def lanes_group(typingctx, w, w_off, x, x_off, xd, xs, x_starts, b_off, n_blk, offset, ahead, ahead_at, ahead_lines,
                     out):
         """n_tok tokens of a batch against the tile at w_off (_token_group_512 with AVX-512
-        VNNI, else _token_group), the first's codes from x_off and its xd/xs/xn4 from b_off;
+        VNNI, else _token_group), the first's codes from x_off and its xd/xs/x_starts from b_off;
         out (n_tok * 9 R,). ahead, ahead_at, ahead_lines: as lanes_gemv's."""
-        sig = types.void(w, types.intp, x, types.intp, xd, xs, xn4, types.intp, types.intp, types.int32,
+        sig = types.void(w, types.intp, x, types.intp, xd, xs, x_starts, types.intp, types.intp, types.int32,
                          ahead, types.intp, types.intp, out)
 
         def codegen(context, builder, signature, args):
-            (w_a, w_o, x_a, x_o, xd_a, xs_a, xn_a, b_o, n_blk, offset, ah_a, ah_o, ah_n, out_a) = args
+            (w_a, w_o, x_a, x_o, xd_a, xs_a, st_a, b_o, n_blk, offset, ah_a, ah_o, ah_n, out_a) = args
             a = signature.args
             wp = builder.bitcast(builder.gep(_data(context, builder, a[0], w_a), [w_o]), ir.IntType(8).as_pointer())
             xp = builder.bitcast(builder.gep(_data(context, builder, a[2], x_a), [x_o]), ir.IntType(8).as_pointer())
-            xdp, xsp, xnp = (_data(context, builder, a[i], v) for i, v in ((4, xd_a), (5, xs_a), (6, xn_a)))
+            xdp, xsp, startp = (_data(context, builder, a[i], v) for i, v in ((4, xd_a), (5, xs_a), (6, st_a)))
             outp = _data(context, builder, a[13], out_a)
             c = lambda v: ir.Constant(w_o.type, v)  # noqa: E731
             if HAS_VNNI:
                 ap = builder.bitcast(builder.gep(_data(context, builder, a[10], ah_a), [ah_o]),
                                      ir.IntType(8).as_pointer())
-                _token_group_512(builder, wp, xp, xdp, xsp, xnp, outp, b_o, n_blk, offset, c, bits, has_min, n_tok,
+                _token_group_512(builder, wp, xp, xdp, xsp, startp, outp, b_o, n_blk, offset, c, bits, has_min, n_tok,
                                  (ap, ah_n))
                 return context.get_dummy_value()
             fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X8, [_F32X8] * 3),
