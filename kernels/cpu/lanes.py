@@ -316,18 +316,19 @@ def _tile_vnni(data, w_off, xq, x_off, xd, xs, starts, b_off, n_blk, offset, bit
 def _group_vnni(data, w_off, xq, x_off, xd, xs, starts, b_off, n_blk, offset, bits, has_min, ahead, ahead_at,
                 ahead_lines, acc):
     """GROUP_TOKENS tokens from x_off (lanes_gemv._token_group_512, _token_group)."""
+    x = (xq, x_off, xd, xs, starts, b_off)
     if bits == 4 and has_min:
-        group_4_min(data, w_off, xq, x_off, xd, xs, starts, b_off, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
+        group_4_min(data, w_off, *x, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
     elif bits == 4:
-        group_4(data, w_off, xq, x_off, xd, xs, starts, b_off, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
+        group_4(data, w_off, *x, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
     elif bits == 5 and has_min:
-        group_5_min(data, w_off, xq, x_off, xd, xs, starts, b_off, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
+        group_5_min(data, w_off, *x, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
     elif bits == 5:
-        group_5(data, w_off, xq, x_off, xd, xs, starts, b_off, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
+        group_5(data, w_off, *x, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
     elif has_min:
-        group_8_min(data, w_off, xq, x_off, xd, xs, starts, b_off, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
+        group_8_min(data, w_off, *x, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
     else:
-        group_8(data, w_off, xq, x_off, xd, xs, starts, b_off, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
+        group_8(data, w_off, *x, n_blk, offset, ahead, ahead_at, ahead_lines, acc)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

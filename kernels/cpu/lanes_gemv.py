@@ -84,9 +84,9 @@ def _splat_to(builder, value, vector_type):
 def _lane_x(builder, xp, startp, b, xb, lane, offset, c, n, x_at=None):
     """For block b and lane `lane` (a number or an LLVM value): the 4 activation bytes in each
     of n int32 lanes (<4n x i8>), and the dot product's start, -offset * their code sum, as
-    lanes.lane_starts stored it at startp (<n x i32>): lane - shift, exactly. offset None: the codes need no
-    shift (formats with a min), the start is 0. x_at: the token's first code, if not at xp; xb:
-    its block b's index."""
+    lanes.lane_starts stored it at startp (<n x i32>): lane - shift, exactly. offset None: the
+    codes need no shift (formats with a min), the start is 0. x_at: the token's first code, if
+    not at xp; xb: its block b's index."""
     i32s = ir.VectorType(_I32, n)
     lane = c(lane) if isinstance(lane, int) else lane
     col = builder.add(builder.mul(b, c(32)), builder.mul(lane, c(4)))
@@ -358,8 +358,9 @@ def _make(bits: int, has_min: bool, block_sums: bool = False):
                    ahead_lines, out):
         """w: the tile's bytes from w_off; x (int8) from x_off; xd/xs per block and x_starts
         (lanes.lane_starts) per lane from b_off; out (9 * R,) float32. batch: a token of a
-        batch (the tile in cache), which AVX2 walks in quarters (_quarters; the same floats). With AVX-512 VNNI the walk asks for
-        ahead_lines cache lines of `ahead` (bytes) from byte ahead_at into L2 on its way."""
+        batch (the tile in cache), which AVX2 walks in quarters (_quarters; the same floats).
+        With AVX-512 VNNI the walk asks for ahead_lines cache lines of `ahead` (bytes) from
+        byte ahead_at into L2 on its way."""
         sig = types.void(w, types.intp, x, types.intp, xd, xs, x_starts, types.intp, types.intp, types.int32,
                          types.boolean, ahead, types.intp, types.intp, out)
 
@@ -403,8 +404,8 @@ gemv_8, gemv_8_min = _make(8, False), _make(8, True)
 
 def _make_group(bits: int, has_min: bool, n_tok: int):
     @intrinsic
-    def lanes_group(typingctx, w, w_off, x, x_off, xd, xs, x_starts, b_off, n_blk, offset, ahead, ahead_at, ahead_lines,
-                    out):
+    def lanes_group(typingctx, w, w_off, x, x_off, xd, xs, x_starts, b_off, n_blk, offset, ahead, ahead_at,
+                    ahead_lines, out):
         """n_tok tokens of a batch against the tile at w_off (_token_group_512 with AVX-512
         VNNI, else _token_group), the first's codes from x_off and its xd/xs/x_starts from b_off;
         out (n_tok * 9 R,). ahead, ahead_at, ahead_lines: as lanes_gemv's."""
