@@ -171,6 +171,54 @@ def test_chat_and_completions_through_the_openai_client(server):
     assert "".join(c.token for c in content) == chat_lp.choices[0].message.content
 
 
+def stop_cases(pieces: list[str]) -> dict[str, list[str]]:
+    """Stop strings cut from a greedy answer's token pieces: a whole token, and strings that
+    begin inside token k (so that text before them is held back) and end at its end, inside
+    it, or two tokens later; one in the first token; several at once."""
+    k = next(i for i in range(2, len(pieces) - 2) if len(pieces[i]) >= 3)
+    word = pieces[k]
+    return {"token": [pieces[k]], "boundary": [word[1:]], "inside": [word[1:-1]],
+            "across": [word[1:] + pieces[k + 1] + pieces[k + 2][:1]], "first": [pieces[0][-1]],
+            "several": [pieces[k + 1][-1:] + pieces[k + 2], word[1:]]}
+
+
+def streamed_with_usage(client, body: dict) -> tuple[str, str, int]:
+    """(text, finish_reason, completion tokens) of one streamed request with include_usage."""
+    chat = "messages" in body
+    call = client.chat.completions.create if chat else client.completions.create
+    text, finish, usage = [], None, None
+    for event in call(**body, stream=True, stream_options={"include_usage": True}):
+        for choice in event.choices:
+            text.append((choice.delta.content or "") if chat else choice.text)
+            finish = choice.finish_reason or finish
+        usage = event.usage or usage
+    return "".join(text), finish, usage.completion_tokens
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stop_strings_streamed_as_unstreamed(server, chat):
+    """A stop string cuts the same text streamed or not, wherever it falls among the tokens."""
+    client = server.client()
+    body = dict(model="x", max_tokens=24, temperature=0)
+    if chat:
+        body["messages"] = [{"role": "user", "content": "Write one sentence about the sea."}]
+        answer = client.chat.completions.create(**body, logprobs=True)
+        pieces = [c.token for c in answer.choices[0].logprobs.content]
+        text = answer.choices[0].message.content
+    else:
+        body["prompt"] = "Count from one to ten in words: one, two,"
+        answer = client.completions.create(**body, logprobs=1)
+        pieces, text = answer.choices[0].logprobs.tokens, answer.choices[0].text
+    assert "".join(pieces) == text and len(pieces) >= 8
+    for name, stops in stop_cases(pieces).items():
+        expected = text[:min(text.find(s) for s in stops if s in text)]
+        stopped = dict(body, stop=stops)
+        assert run(client, stopped) == (expected, "stop"), name
+        assert run(client, stopped, stream=True) == (expected, "stop"), name
+        whole = (client.chat.completions.create if chat else client.completions.create)(**stopped)
+        assert streamed_with_usage(client, stopped) == (expected, "stop", whole.usage.completion_tokens), name
+
+
 def test_seeds_and_refusals(server):
     client = server.client()
     body = dict(model="x", prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7)

@@ -377,15 +377,8 @@ class EventStream:
             if answer.chat:
                 await event(answer.chunk(None, role=True))
             async for chunk in relay.chunks():
-                if chunk.token is not None and (chunk.text or answer.completion.logprobs):
-                    await event(answer.chunk(chunk.text, [chunk]))
-                if chunk.finish_reason is not None:
-                    if chunk.text:
-                        await event(answer.chunk(chunk.text))
-                    await event(answer.chunk(None, finish_reason=chunk.finish_reason))
-                    if answer.completion.include_usage:
-                        t = chunk.timings
-                        await event(answer.usage_chunk(len(relay.handle.prompt_ids), t.n_generated))
+                for data in answer.events(chunk, len(relay.handle.prompt_ids)):
+                    await event(data)
             await event("[DONE]")
         except MinillmError as exc:  # the request failed after its stream began: one error event
             await event(ApiError(500, str(exc)).body())

@@ -262,6 +262,19 @@ class Answer:
         extra = {"usage": None} if self.completion.include_usage else {}
         return self._object(kind, [choice], **extra)
 
+    def events(self, chunk, n_prompt: int) -> list[dict]:
+        """The streamed objects of one Chunk: its text once (with its token's logprobs), then,
+        on the last Chunk, the finish reason and the usage when asked for."""
+        sampled = chunk.token is not None
+        events = []
+        if chunk.text or (sampled and self.completion.logprobs):
+            events.append(self.chunk(chunk.text, [chunk] if sampled else ()))
+        if chunk.finish_reason is not None:
+            events.append(self.chunk(None, finish_reason=chunk.finish_reason))
+            if self.completion.include_usage:
+                events.append(self.usage_chunk(n_prompt, chunk.timings.n_generated))
+        return events
+
     def usage_chunk(self, n_prompt: int, n_generated: int) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return self._object(kind, [], usage=usage(n_prompt, n_generated))

