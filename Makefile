@@ -29,19 +29,19 @@ test-fast: install
 
 # LLAMA_BENCH=path/to/llama-bench (tests/llama_ref/build.sh builds it): llama.cpp measured beside us
 bench: install models
-	$(PY) -m minillm.benchmarks $(MODELS) --out bench-results.json $(if $(LLAMA_BENCH),--llama-bench $(LLAMA_BENCH))
+	$(PY) -m minillm.cli.benchmarks $(MODELS) --out bench-results.json $(if $(LLAMA_BENCH),--llama-bench $(LLAMA_BENCH))
 
 # LLAMA_SERVER=path/to/llama-server: the same HTTP load on llama-server, one after the other
 bench-serve: install models
-	$(PY) -m minillm.server.bench $(DEFAULT_MODEL) --out bench-serve.json $(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER))
+	$(PY) -m minillm.cli.bench_serve $(DEFAULT_MODEL) --out bench-serve.json $(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER))
 
 # LLAMA_BIN=folder of llama-lookup and llama-speculative-simple: llama.cpp on the same prompts
 bench-speculative: install models
-	$(PY) -m minillm.bench_speculative --out bench-speculative.json $(if $(LLAMA_BIN),--llama-bin $(LLAMA_BIN))
+	$(PY) -m minillm.cli.bench_speculative --out bench-speculative.json $(if $(LLAMA_BIN),--llama-bin $(LLAMA_BIN))
 
 # on a machine with an NVIDIA GPU: CUDA tests for real, golden parity and a benchmark on CUDA
 gpu-check: install models
-	$(PY) -m minillm.gpu_check --out gpu-check.json
+	$(PY) -m minillm.cli.gpu_check --out gpu-check.json
 
 run: install models
 	$(VENV)/bin/minillm generate $(DEFAULT_MODEL) --chat --temp 0 -n 64 -p "Write one sentence about the sea."

@@ -18,7 +18,7 @@ def __getattr__(name):
 
         return getattr(model, name)
     if name == "Request":  # a request for Model.scheduler(): prompt, max_tokens, sampling, stop, priority
-        from .scheduler import Request
+        from .serving.scheduler import Request
 
         return Request
     if name == "quantize":  # a callable package: minillm.quantize(IN, OUT, TYPE, ...)

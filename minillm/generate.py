@@ -207,7 +207,7 @@ class Session:
         ids = [token] + guesses
         t0 = time.perf_counter()
         if guesses:
-            logits = self.model.arch.forward_each_alone(np.array(ids, np.int64), self.cache)
+            logits = self.model.backend.forward_each_alone(np.array(ids, np.int64), self.cache)
         else:
             logits = self.model.eval(ids, self.cache, batch_size=1)
         if speculation is not None:

@@ -3,46 +3,19 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import numba
 import numpy as np
 
 from .arch import get_architecture
+from .backends import load_backend, resolve_device
 from .errors import MinillmError
 from .gguf_file import GGUFFile
 from .kv_cache import F16_CACHE, KVCache, check_cache_types
 from .memory import release_compiler_pages
 
 DEFAULT_BATCH = 512
-DEVICES = ("cpu", "cuda", "auto")
-
-
-def resolve_device(device: str) -> str:
-    """"cpu" or "cuda" for a requested device. "auto": CUDA when an NVIDIA driver is present and
-    numba-cuda finds a GPU (the CUDA simulator does not count). numba.cuda is imported only when
-    a GPU may be there, so CPU users never pay for it."""
-    if device not in DEVICES:
-        raise MinillmError(f"unknown device {device!r} (choose from {', '.join(DEVICES)})")
-    if device == "cpu" or (device == "auto" and not os.path.exists("/dev/nvidiactl")):
-        return "cpu"
-    import importlib.util
-
-    if importlib.util.find_spec("numba_cuda") is None:
-        if device == "cuda":
-            raise MinillmError("--device cuda needs numba-cuda: pip install 'minillm[cuda]'")
-        return "cpu"
-    from numba import cuda
-    from numba.core import config
-
-    if device == "auto":
-        return "cuda" if cuda.is_available() and not config.ENABLE_CUDASIM else "cpu"
-    if not cuda.is_available():
-        raise MinillmError("--device cuda: numba.cuda finds no CUDA GPU")
-    return "cuda"
-
-
 def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
@@ -62,15 +35,7 @@ class Model:
         self.hp = self.arch.hp
         self.device = resolve_device(device)
         self.cache_types = check_cache_types(cache_types, self.hp.head_dim)  # (K, V): -ctk, -ctv
-        if self.device == "cuda" and self.cache_types != F16_CACHE:
-            raise MinillmError("a quantized KV cache runs on the CPU only: pass --device cpu, or leave -ctk/-ctv at f16")
-        self.backend = None  # the CUDA backend (weights on the GPU), or None: the CPU
-        if self.device == "cuda":
-            from .backend_cuda import CudaBackend
-
-            self.backend = CudaBackend(self.arch, progress)
-        else:
-            self.arch.load_weights(progress)
+        self.backend = load_backend(self.arch, self.device, self.cache_types, progress)  # the weights, loaded
         self.gguf.release_pages()
         self._tokenizer = None
         self._own_template = None  # the model's chat template, compiled on first use
@@ -82,18 +47,11 @@ class Model:
         numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
 
     def warm_up(self, on_compile=None) -> None:
-        """Run one token through the model so that the compiled kernels are ready, then hand
-        LLVM's pages, idle from here on, back to the kernel (see memory.py). The first run on a
-        machine compiles the kernels (a few minutes): then the warm-up runs inside
+        """Run one token through the model so that the compiled kernels are ready. The first run
+        on a machine compiles the kernels (a few minutes): then the warm-up runs inside
         `on_compile()`, a context manager the caller supplies to show progress (the CLI's
         spinner); the engine itself never draws."""
-        if self.backend is not None:
-            self.backend.warm_up()
-            return
-        compiling = on_compile() if on_compile is not None and not self.arch.kernels_cached() else nullcontext()
-        with compiling:
-            self.eval([0], self.new_cache(2))
-        release_compiler_pages()
+        self.backend.warm_up(on_compile)
 
     @property
     def n_vocab(self) -> int:
@@ -101,17 +59,12 @@ class Model:
 
     def new_cache(self, n_ctx: int, n_keep: int = 0, batch_size: int = DEFAULT_BATCH) -> KVCache:
         """A KV cache of n_ctx positions (ring buffers: see kv_cache.py); n_keep sink tokens."""
-        if self.backend is not None:
-            return self.backend.new_cache(n_ctx, n_keep, batch_size)
-        hp = self.hp
-        sizes, layout = self.arch.cache_layout(n_ctx, min(batch_size, n_ctx))
-        return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, sizes, layout, n_keep, self.arch.cache_windows(),
-                       self.cache_types)
+        return self.backend.new_cache(n_ctx, n_keep, batch_size)
 
     def eval(self, ids, cache: KVCache, logits_from: int = 0, batch_size: int = DEFAULT_BATCH) -> np.ndarray:
         """Append ids to cache in batches; logits (len(ids) - logits_from, n_vocab)."""
         ids = self.check_ids(ids)
-        forward = self.backend.forward if self.backend is not None else self.arch.forward
+        forward = self.backend.forward
         out = []
         for b0 in range(0, len(ids), batch_size):
             chunk = ids[b0:b0 + batch_size]
@@ -193,7 +146,7 @@ class Model:
         holds kv_cells cells, or as many as kv_memory bytes hold (default: every slot's context).
         draft: a smaller Model of the same vocabulary, for requests with draft=True;
         speculation: SpeculationParams fields for requests that guess (lookup or draft)."""
-        from .scheduler import DEFAULT_CHUNK, Scheduler
+        from .serving.scheduler import DEFAULT_CHUNK, Scheduler
         from .speculative import SpeculationParams
 
         return Scheduler(self, parallel, n_ctx, batch or DEFAULT_CHUNK, kv_cells, policy, kv_memory, draft,
@@ -204,7 +157,7 @@ class Model:
         """Results (in order) for many prompts generated together. Each prompt is text, a
         conversation, or a dict with `prompt` or `messages` and its own max_tokens, stop,
         priority and sampling fields (batch_input.FIELDS); the arguments are the defaults."""
-        from .batch_input import make_request
+        from .serving.batch_input import make_request
         from .sampling import SamplingParams
 
         scheduler = self.scheduler(parallel, n_ctx)

@@ -293,8 +293,7 @@ def make_speculation(model, n_ctx: int, draft=None, lookup: bool = False,
         return None
     if draft is not None and lookup:
         raise MinillmError("choose a draft model or prompt lookup, not both")
-    if model.backend is not None:
-        raise MinillmError("speculative decoding runs on the CPU backend only (use --device cpu)")
+    model.backend.check_supports("speculation")
     check_params(params)
     if lookup:
         return Speculation(PromptLookup(params.lookup_ngram), params)

@@ -94,7 +94,7 @@ def test_keys_llama_cpp_leaves_unread_load(tmp_path):
 
 
 def test_info_shows_what_a_file_needs_and_what_is_refused(tmp_path):
-    from minillm.inspect import describe
+    from minillm.cli.inspect import describe
 
     path = build("phi3").write(tmp_path / "phi3.gguf")
     facts = describe(path)

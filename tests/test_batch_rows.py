@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import minillm
-from minillm.kv_pool import BLOCK, KVPool
+from minillm.serving.kv_pool import BLOCK, KVPool
 from synthetic import SyntheticModel
 
 
@@ -31,7 +31,7 @@ def run_schedule(model, pool, seqs, steps):
             done[s] += n
         rows = np.array(inner + last, np.int64)
         kv_of = pool.batch_kv(rows[:, 0].copy(), rows[:, 1].copy())
-        logits = model.arch.forward_rows(rows[:, 2].copy(), rows[:, 1].copy(), kv_of, 0, pool.n_ctx)
+        logits = model.backend.forward_rows(rows[:, 2].copy(), rows[:, 1].copy(), kv_of, 0, pool.n_ctx)
         for (s, pos, _), row in zip(inner + last, logits):
             got[s][pos] = row
     return got

@@ -15,7 +15,7 @@ def run(*args, **kw):
 def test_help_is_fast_and_does_not_compile():
     out = run("--help")
     assert out.returncode == 0 and "info" in out.stdout and "bench" in out.stdout
-    probe = subprocess.run([sys.executable, "-c", "import sys, minillm.cli; print('numba' in sys.modules)"],
+    probe = subprocess.run([sys.executable, "-c", "import sys, minillm.cli.app; print('numba' in sys.modules)"],
                            capture_output=True, text=True)
     assert probe.stdout.strip() == "False"
 
@@ -97,7 +97,7 @@ def test_first_run_knows_it_compiles(tiny_llama, tmp_path):
     import os
 
     def kernels_cached(warm_up: str, **env):
-        probe = f"import sys, minillm; m = minillm.load(sys.argv[1]); {warm_up}; print(m.arch.kernels_cached())"
+        probe = f"import sys, minillm; m = minillm.load(sys.argv[1]); {warm_up}; print(m.backend.kernels_cached())"
         out = subprocess.run([sys.executable, "-c", probe, str(tiny_llama)], capture_output=True, text=True,
                              timeout=600, env=dict(os.environ, **env))
         assert out.returncode == 0, out.stderr
@@ -111,7 +111,7 @@ def test_compile_progress_names_what_compiles():
     """A first run says it compiles and counts Numba's compilations as they finish."""
     import numba
 
-    from minillm.compile_progress import NOTICE, _CompileCounter, compile_progress
+    from minillm.cli.compile_progress import NOTICE, _CompileCounter, compile_progress
 
     @numba.njit
     def inner(x):
@@ -137,7 +137,7 @@ def test_collector_is_off_while_starting_and_back_after():
     objects cost tens of ms); load_model turns it back on, the start's objects frozen."""
     import gc
 
-    from minillm import cli
+    from minillm.cli import app as cli
 
     gc.disable()
     try:

@@ -13,7 +13,7 @@ from conftest import DATA, REPORT, loaded_model, model_path
 
 import minillm
 from minillm.kernels.cpu.ops import ggml_build
-from minillm.perplexity import kl_divergence, perplexity
+from minillm.quality.perplexity import kl_divergence, perplexity
 from minillm.quantize import quantize
 
 REF = json.loads((DATA / "compression_reference.json").read_text())
@@ -94,7 +94,7 @@ def test_a_skipped_layer_computes_as_the_pruned_file(smollm2_f16, tmp_path):
     quantize(smollm2_f16, out, "F16", prune_layers=[3, 17])
     ids = loaded_model("smollm2").tokenize("The quick brown fox jumps over the lazy dog because")
     whole = minillm.load(smollm2_f16)
-    whole.arch.skipped_layers = frozenset((3, 17))
+    whole.backend.skipped_layers = frozenset((3, 17))
     assert np.array_equal(whole.logits(ids), minillm.load(out).logits(ids))
 
 

@@ -1,4 +1,4 @@
-"""The CUDA backend (minillm/backend_cuda.py: the architectures' own layer code over
+"""The CUDA backend (minillm/backends/cuda.py: the architectures' own layer code over
 kernels/cuda/layers.py) against the CPU path, on tiny synthetic models.
 
 Under NVIDIA's CUDA simulator (no GPU needed; MINILLM_CUDA_REAL=1 runs on a real GPU) every
@@ -27,7 +27,7 @@ from synthetic import SyntheticModel  # noqa: E402
 
 import minillm  # noqa: E402
 from minillm.arch import get_architecture  # noqa: E402
-from minillm.backend_cuda import CudaBackend  # noqa: E402
+from minillm.backends.cuda import CudaBackend  # noqa: E402
 from minillm.formats import FORMATS  # noqa: E402
 from minillm.gguf_file import GGUFFile  # noqa: E402
 from minillm.kernels.cuda import layers as cuda_layers  # noqa: E402

@@ -46,7 +46,7 @@ def test_q4_k_rows_follow_llama_cpps_gemm_and_gemv(tmp_path):
     # rest (gemv): a row evaluated alone matches the last row of a batch of 5, not of a batch of 4
     sm = SyntheticModel("llama", "Q4_K", n_layer=1).build()
     model = minillm.load(sm.write(tmp_path / "m.gguf"))
-    w = model.arch.layers[0][1]  # wq
+    w = model.backend.layers[0][1]  # wq
     x = np.random.default_rng(3).standard_normal((5, sm.n_embd)).astype(np.float32)
     alone = layers.linear(w, x[3:4])
     assert np.array_equal(layers.linear(w, x[3:5])[0], alone[0])   # gemv rows (batch of 2)

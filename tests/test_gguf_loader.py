@@ -6,7 +6,7 @@ import pytest
 
 from minillm.errors import GGUFError, MinillmError
 from minillm.gguf_file import GGUFFile
-from minillm.inspect import describe
+from minillm.cli.inspect import describe
 
 
 def header(n_tensors=0, n_kv=0, version=3, magic=b"GGUF"):

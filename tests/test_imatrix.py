@@ -16,9 +16,9 @@ import pytest
 from conftest import DATA, ROOT, loaded_model, model_path
 from synthetic import imatrix_inputs, synthetic_imatrix
 
-from minillm.cli_imatrix import parse_csv_row
+from minillm.cli.imatrix import parse_csv_row
 from minillm.errors import MinillmError
-from minillm.imatrix import compute_imatrix
+from minillm.quality.imatrix import compute_imatrix
 from minillm.imatrix_file import load, to_bytes
 from minillm.kernels.cpu.ops import ggml_build
 from minillm.quantize import quantize

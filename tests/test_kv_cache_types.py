@@ -14,7 +14,7 @@ import minillm
 from minillm.errors import MinillmError
 from minillm.kernels.cpu.ops import ggml_build
 from minillm.sampling import SamplingParams
-from minillm.scheduler import Request
+from minillm.serving.scheduler import Request
 
 REF = json.loads((DATA / "kv_cache_reference.json").read_text())
 HOST_BUILD = ggml_build()

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import DATA, REPORT, loaded_model, model_path
-from minillm.perplexity import perplexity
+from minillm.quality.perplexity import perplexity
 
 REFERENCE = json.loads((DATA / "ppl_reference.json").read_text())
 TEXT = (DATA / "ppl_text_dev.txt").read_text()

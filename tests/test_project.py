@@ -33,3 +33,49 @@ def test_user_docs_date_figures_rather_than_tell_the_story():
     found = [f"{path.name}:{n}: {line.strip()}" for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
              for n, line in enumerate(path.read_text().splitlines(), 1) if CHRONOLOGY.search(line)]
     assert not found, "\n".join(found)
+
+
+ABOVE_THE_ENGINE = ("minillm.cli", "minillm.serving", "minillm.quality")
+# the library's front door builds a scheduler on request, importing it then (docs/design.md)
+FRONT_DOOR = {("minillm.model", "Model.scheduler"), ("minillm.model", "Model.generate_batch"),
+              ("minillm", "__getattr__")}
+
+
+def _imports(path, module: str):
+    """(enclosing function's qualified name, absolute module) of every import in a file."""
+    import ast
+
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+
+    def visit(node, scope):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, scope + [child.name])
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((".".join(scope), alias.name) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - child.level + 1] if child.level else []
+                target = ".".join(base + ([child.module] if child.module else []))
+                names = [target] if child.module else [f"{target}.{alias.name}" for alias in child.names]
+                found.extend((".".join(scope), name) for name in names)
+            visit(child, scope)
+
+    visit(ast.parse(path.read_text()), [])
+    return found
+
+
+def test_the_engine_imports_nothing_from_the_layers_above_it():
+    """The engine (minillm/ outside cli/, serving/ and quality/) never imports those folders,
+    but for the library's front door: Model.scheduler and Model.generate_batch."""
+    bad = []
+    for path in sorted((ROOT / "minillm").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if module.startswith(ABOVE_THE_ENGINE) or module == "minillm.__main__":
+            continue
+        for scope, target in _imports(path, module):
+            if target.startswith(ABOVE_THE_ENGINE) and (module, scope) not in FRONT_DOOR:
+                bad.append(f"{module} ({scope or 'module level'}) imports {target}")
+    assert not bad, "\n".join(bad)

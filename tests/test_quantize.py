@@ -362,14 +362,14 @@ def test_named_temp_fallback_and_stale_cleanup(model_f16, tmp_path, monkeypatch)
 # ---------------------------------------------------------------------------------------------
 # the command line (a subprocess, as users run it)
 # ---------------------------------------------------------------------------------------------
-_STAND_IN = ("import sys; from minillm.cli import app, main; from minillm.cli_quantize import register; "
+_STAND_IN = ("import sys; from minillm.cli.app import app, main; from minillm.cli.quantize import register; "
              "register(app); main()")
 
 
 def cli(*args) -> list[str]:
-    """`python -m minillm quantize ...` once minillm.cli registers the command, else the same
+    """`python -m minillm quantize ...` once minillm.cli.app registers the command, else the same
     app with register() applied here."""
-    from minillm.cli import app
+    from minillm.cli.app import app
 
     if any(c.name == "quantize" for c in app.registered_commands):
         return [sys.executable, "-m", "minillm", "quantize", *map(str, args)]
@@ -502,7 +502,7 @@ def test_smollm2_cli_q4_k_m(smollm2_f16, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_q4_k_m_perplexity_matches_llama_cpp_for_its_file(smollm2_f16, tmp_path):
-    from minillm.perplexity import perplexity
+    from minillm.quality.perplexity import perplexity
 
     reference = json.loads((DATA / "ppl_reference.json").read_text())["smollm2-Q4_K_M.gguf"]
     out = tmp_path / "q4km.gguf"

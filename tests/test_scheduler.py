@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from conftest import REPORT, golden_rows, loaded_model, model_path
-from minillm.batch_input import make_request
+from minillm.serving.batch_input import make_request
 from minillm.errors import MinillmError
-from minillm.kv_pool import KVPool
+from minillm.serving.kv_pool import KVPool
 from minillm.sampling import SamplingParams
-from minillm.scheduler import SETTLED_TOKENS, STREAM_SHARE, Request
+from minillm.serving.scheduler import SETTLED_TOKENS, STREAM_SHARE, Request
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,7 @@ def test_rows_against_llama_cpp_teacher_forced(name):
             ids = np.asarray(seq, np.int64)[pos]
             out_from = min(max(0, len(prompt) - 1 - start), len(pos))  # logits from the prompt's last token
             kv_of = pool.batch_kv(np.zeros(len(pos), np.int64), pos)
-            logits.append(m.arch.forward_rows(ids, pos, kv_of, out_from, pool.n_ctx))
+            logits.append(m.backend.forward_rows(ids, pos, kv_of, out_from, pool.n_ctx))
         logits = np.concatenate(logits)
         for i, step in enumerate(row["steps"]):
             agree += int(np.argmax(logits[i]) == step["next"])

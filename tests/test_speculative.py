@@ -214,7 +214,7 @@ def test_scheduler_lookup_requests_give_plain_tokens(name):
     each greedy request's tokens equal its plain run alone; guesses both accepted and rejected;
     the slot keeps only accepted guesses' cells (the next turn reuses them: only its new
     tokens are evaluated, and its tokens equal its run alone)."""
-    from minillm.scheduler import Request
+    from minillm.serving.scheduler import Request
 
     model = loaded_model(name)
     requests = [Request(p, 40, GREEDY, ignore_eos=True, lookup=i != 1, id=i) for i, p in enumerate(PROMPTS)]
@@ -291,7 +291,7 @@ def test_scheduler_draft_requests_give_plain_tokens(name, requantized, monkeypat
     count would switch a draft as costly as the model off), and every other pass's last guess
     is made wrong (a Q8_0 draft agrees with its model almost always), so that rows are
     rolled back. Each greedy request's tokens equal its plain run alone."""
-    from minillm.scheduler import Request
+    from minillm.serving.scheduler import Request
 
     model, draft = loaded_model(name), minillm.load(requantized[name])
     propose, calls = DraftModel.propose, []
@@ -461,8 +461,8 @@ def test_bench_lookup_reports_both_prompt_sets():
 
 
 def test_lookup_and_draft_are_fields_of_batch_lines_and_server_requests():
-    from minillm.batch_input import make_request
-    from minillm.server.protocol import ApiError, parse_completion
+    from minillm.serving.batch_input import make_request
+    from minillm.serving.protocol import ApiError, parse_completion
 
     assert make_request({"prompt": "Hi", "lookup": True}).lookup and not make_request({"prompt": "Hi"}).lookup
     with pytest.raises(MinillmError, match="'lookup' must be true or false"):

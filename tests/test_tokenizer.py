@@ -336,7 +336,7 @@ def test_regex_split_matches_llama_cpp_scanner(regex, llama3):
 def cli_app():
     import typer
 
-    from minillm.cli_tokenize import register
+    from minillm.cli.tokenize import register
 
     app = typer.Typer()
 

@@ -148,7 +148,7 @@ def norm(x, weight, eps):
 
 # The kv tuple a layer gets: (kcache, vcache (S, Hkv, D) uint16, kv_pos (S,) int64, slots (T,)
 # int64 the cache rows this batch's k/v go to, n_keep, paging). paging is NO_PAGING for one
-# sequence's own cache; for the batching scheduler's shared pool (minillm/kv_pool.py) it is
+# sequence's own cache; for the batching scheduler's shared pool (minillm/serving/kv_pool.py) it is
 # (row_seq (T,) each row's sequence, tables (n_seq, blocks) int64 its block table, shift (blocks
 # of 2^shift rows), n_slots (each sequence's slots)), and every row is computed as if alone.
 NO_PAGING = (np.zeros(0, np.int64), np.zeros((0, 0), np.int64), -1, 0)

@@ -1,4 +1,8 @@
-"""What every decoder-only architecture shares: metadata checks, weights, the forward loop."""
+"""What every decoder-only architecture shares: metadata checks, the tensors it needs, RoPE.
+
+An architecture is declarative: its hyper-parameters, tensors (in the order its layer takes
+them), RoPE tables and one layer function; a backend (minillm/backends) loads the weights and
+runs the forward loop."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,11 +12,7 @@ import numpy as np
 from ..errors import ModelError, UnsupportedError
 from ..gguf_file import GGUFFile
 from ..kernels.cpu import ops
-from ..kernels.cpu.layers import NO_PAGING, linear
 from ..kernels.cpu.unpack import dequantize
-from ..weights import Matrix, row_by_row
-
-NO_VECTOR = np.zeros(0, np.float32)  # an optional vector (a bias, a norm) the file lacks
 MAX_LAYERS = 512
 MAX_WIDTH = 1 << 16
 MAX_HEADS = 1024
@@ -299,18 +299,9 @@ class Transformer:
             out.append("fused q/k/v")
         return out
 
-    # -- weights ---------------------------------------------------------------------
+    # -- tensors -----------------------------------------------------------------------
     def vector(self, name: str) -> np.ndarray:
         return self.gguf.read_rows(name, [0]).view(np.float32).reshape(-1)  # a 1-D tensor is one row
-
-    def matrix(self, name: str, rows: tuple[int, int] | None = None) -> Matrix:
-        """The tensor's matrix, or rows [r0, r1) of it (a part of a fused tensor)."""
-        info = self.gguf.tensors[name]
-        r0, r1 = rows or (0, info.shape[1])
-        matrix = Matrix(name, info.format, self.gguf.raw(name)[r0:r1], r1 - r0, info.shape[0],
-                        release=lambda a, b: self.gguf.release_pages(name, (r0 + a, r0 + b)))
-        self.gguf.release_pages(name)
-        return matrix
 
     def layer_sources(self, il: int) -> list:
         """Where each entry of layer_order comes from: (tensor name, row range or None), or
@@ -322,32 +313,13 @@ class Transformer:
             sources.append((name, None) if name in self.gguf.tensors else None)
         return sources
 
-    def load_weights(self, progress=None) -> None:
-        hp = self.hp
-        self.output_norm = self.vector("output_norm.weight")
-        name = "output.weight" if "output.weight" in self.gguf.tensors else "token_embd.weight"
-        self.output = self.matrix(name)
-        self.layers = []  # per layer: a tuple in layer_order (vectors, and Matrix.packed tuples)
-        for il in range(hp.n_layer):
-            layer = []
-            for source in self.layer_sources(il):
-                if source is None:
-                    layer.append(NO_VECTOR)
-                    continue
-                name, rows = source
-                one_d = len(self.gguf.tensors[name].shape) == 1
-                layer.append(self.vector(name) if one_d else self.matrix(name, rows).packed)
-            self.layers.append(tuple(layer))
-            if progress:
-                progress(il + 1, hp.n_layer)
-
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """(T, E) float32 rows of token_embd, dequantized exactly as ggml_get_rows."""
         info = self.gguf.tensors["token_embd.weight"]
         rows = self.gguf.read_rows("token_embd.weight", ids)
         return dequantize(info.format, rows, info.shape[0])
 
-    # -- forward ---------------------------------------------------------------------
+    # -- what the forward loop asks of the architecture (minillm/backends/base.py) ---------
     def cache_layout(self, n_ctx: int, n_batch: int) -> tuple[dict[str, int], list[str]]:
         """Cache group sizes and each layer's group: by default one context-sized group."""
         return {"global": n_ctx}, ["global"] * self.hp.n_layer
@@ -356,97 +328,11 @@ class Transformer:
         """The sliding window of each cache group's layers (absent: none)."""
         return {}
 
-    def forward(self, ids: np.ndarray, cache, logits_from: int) -> np.ndarray:
-        """Evaluate ids at the cache's next positions; logits (T - logits_from, V)."""
-        positions = cache.reserve(len(ids))
-        # as llama.cpp, the last layer's feed-forward runs on the output rows only
-        out_from = min(logits_from, len(ids) - 1)
-        x = self.run_layers(ids, positions, lambda il: self.cache_kv(cache, il), out_from, self.layers, cache.n_ctx)
-        cache.commit(len(ids))
-        return self.output_logits(x[logits_from - out_from:], self.output.packed)
-
-    @staticmethod
-    def cache_kv(cache, il: int) -> tuple:
-        """Layer il's view of one sequence's cache, as the CPU layers take it (kernels/cpu/layers.py)."""
-        kc, vc, group, slots = cache.layer(il)
-        return kc, vc, group.kv_pos, slots, group.n_keep, NO_PAGING
-
-    def forward_rows(self, ids: np.ndarray, positions: np.ndarray, kv_of, out_from: int, n_ctx: int) -> np.ndarray:
-        """The batching scheduler's forward: rows of several sequences (ids, positions (T,)),
-        each computed exactly as if it were evaluated alone, one token at a time (one kernel
-        path per row, whatever the other rows). kv_of(il): layer il's kv tuple over the shared
-        pool (minillm/kv_pool.py); n_ctx: the positions each sequence may hold. Logits
-        (T - out_from, V) of the rows from out_from on."""
-        if self.row_layers is None:
-            self.row_layers = [tuple(row_by_row(w) if isinstance(w, tuple) else w for w in layer)
-                               for layer in self.layers]
-        x = self.run_layers(ids, positions, kv_of, out_from, self.row_layers, n_ctx)
-        return self.output_logits(x, row_by_row(self.output.packed))
-
-    def forward_each_alone(self, ids: np.ndarray, cache) -> np.ndarray:
-        """Logits (T, V) of ids at the cache's next positions, each row bit for bit what
-        forward() gives that token evaluated alone after the rows before it (speculative
-        decoding's verification). Only within cache.headroom(), where no row's cells are lost."""
-        positions = cache.reserve(len(ids))
-
-        def kv_of(il):
-            kc, vc, group, slots = cache.layer(il)
-            return kc, vc, group.kv_pos, slots, group.n_keep, cache.paging(il, len(ids))
-
-        logits = self.forward_rows(ids, positions, kv_of, 0, cache.n_ctx)
-        cache.commit(len(ids))
-        return logits
-
-    row_layers = None  # self.layers with every product computed row by row (forward_rows)
-
-    skipped_layers: frozenset = frozenset()   # left out of the forward (layer importance)
-    recorder = None   # while an importance matrix is collected: sees every product's input (imatrix.py)
-
-    def run_layers(self, ids, positions, kv_of, out_from, layers, n_ctx) -> np.ndarray:
-        """The hidden states (T - out_from, E) after every layer."""
-        x = self.embed(ids)
-        tables = self.rope_tables(positions, n_ctx)
-        run = range(len(layers))
-        if self.skipped_layers:  # only while layer importance is measured: no list per token otherwise
-            run = [il for il in run if il not in self.skipped_layers]
-        last = run[-1] if len(run) else -1
-        layer_function = self.layer_function if self.recorder is None else self.recorder.layer_function
-        for il in run:
-            x = layer_function(x, layers[il], positions, kv_of(il), out_from if il == last else 0,
-                                    *self.layer_args(il, tables))
-        return x if len(run) else x[out_from:]
-
-    def output_logits(self, x: np.ndarray, output) -> np.ndarray:
-        """Logits (T, V) of hidden states x (T, E): final norm, output product (its packed tuple)."""
-        if x.shape[0] == 0:
-            return np.empty((0, self.hp.n_vocab), np.float32)
-        xn = np.empty_like(x)
-        ops.rmsnorm(x, self.output_norm, np.float32(self.hp.rms_eps), xn)
-        if self.recorder is not None:
-            self.recorder.saw((output,), xn)
-        return self.finish_logits(linear(output, xn))
-
     def finish_logits(self, logits: np.ndarray) -> np.ndarray:
+        """The output product's logits (T, V) as the model gives them (Gemma: capped)."""
         return logits
 
     layer_function = None  # the architecture's compiled layer, written over its module's `ops`
-
-    def layer_with_ops(self, ops_module):
-        """The same layer code running over another backend's operations (plain Python)."""
-        import types
-
-        fn = self.layer_function.py_func
-        return types.FunctionType(fn.__code__, dict(fn.__globals__, ops=ops_module), fn.__name__)
-
-    def kernels_cached(self) -> bool:
-        """Whether Numba's on-disk cache (wherever NUMBA_CACHE_DIR puts it) holds this
-        architecture's layer function for the current source. Numba has no public call for
-        this: its cache index is read the way Numba itself reads it (empty when the file is
-        missing or the source changed since)."""
-        try:
-            return bool(self.layer_function._cache._cache_file._load_index())
-        except (AttributeError, OSError):  # another Numba version: assume the worst, say we compile
-            return False
 
     def layer_args(self, il, tables) -> tuple:
         """The layer function's arguments after (x, w, positions, kv): the rope table, ..."""

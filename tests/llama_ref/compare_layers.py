@@ -65,7 +65,7 @@ def run_minillm(model, ids: list[int], n_prompt: int) -> list[list[dict[str, np.
             return result
         setattr(ops, name, recorded)
     arch = model.arch
-    arch.__dict__["layer_function"] = arch.layer_with_ops(ops)
+    model.backend.layer_function = model.backend.layer_with_ops(ops)
     names = OPS[arch.name]
     cache = model.new_cache(4096)
     evals = []

@@ -8,9 +8,9 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
-from ..batch_input import SAMPLING_FIELDS, is_integer
+from .batch_input import SAMPLING_FIELDS, is_integer
 from ..sampling import SamplingParams
-from ..scheduler import Request
+from .scheduler import Request
 
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20

@@ -7,10 +7,10 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import MinillmError
-from .generate import Session
-from .sampling import SamplingParams
-from .speculative import guess_summary
+from ..errors import MinillmError
+from ..generate import Session
+from ..sampling import SamplingParams
+from ..speculative import guess_summary
 
 HELP = """Commands:
   /help               this text

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .cli_generate import (
+from .generate import (
     API_KEY, CACHE_TYPE_K, CACHE_TYPE_V, CHAT_TEMPLATE, CTX, DEVICE, DRAFT, DRAFT_MAX, DRAFT_MIN, DRAFT_P_MIN, FREQUENCY_PENALTY, LOOKUP,
     LOOKUP_NGRAM, MIN_P, MODEL_OR_SERVER, PRESENCE_PENALTY, REPEAT_LAST_N, REPEAT_PENALTY, SEED, SERVER, SYSTEM, TEMP,
     THREADS, TOP_K, TOP_P, need_model, sampling_options, speculation_for,
@@ -46,9 +46,9 @@ def register(app: typer.Typer) -> None:
         lookup_ngram: int = LOOKUP_NGRAM,
     ):
         """Chat with a model in the terminal (loaded here, or running in `minillm serve`)."""
-        from .chat import Chat, LocalReplies, RemoteReplies, repl
-        from .cli import load_model
-        from .sampling import SamplingParams
+        from .repl import Chat, LocalReplies, RemoteReplies, repl
+        from .app import load_model
+        from ..sampling import SamplingParams
 
         need_model(model, server, {"--ctx": ctx is not None, "--threads": threads is not None,
                                    "--device": device != "auto", "--chat-template": chat_template is not None,
@@ -57,7 +57,7 @@ def register(app: typer.Typer) -> None:
         params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
                                                    presence_penalty, frequency_penalty, seed))
         if server is not None:
-            from .server.client import ServerClient
+            from .remote import ServerClient
 
             replies = RemoteReplies(ServerClient(server, api_key))
         else:

@@ -3,7 +3,7 @@ cold start (a new `minillm generate MODEL -p Hello -n 1` process, compile cache 
 resident memory (of the bench process, and of that generate process, which also holds the
 tokenizer and a context of up to 4096); prints one table and writes the figures as JSON.
 
-    python -m minillm.benchmarks MODEL [MODEL ...] [--out bench-results.json] [--llama-bench PATH]
+    python -m minillm.cli.benchmarks MODEL [MODEL ...] [--out bench-results.json] [--llama-bench PATH]
 
 With --llama-bench (llama.cpp's llama-bench; tests/llama_ref/build.sh builds it), llama.cpp
 runs the same pp512/tg128 on each model right after minillm, with as many threads, so both

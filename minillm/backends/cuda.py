@@ -1,9 +1,9 @@
-"""Running a model on an NVIDIA GPU: the architecture's own layer code (minillm/arch/*.py) over
-the CUDA operations of kernels/cuda/layers.py, with the weights and the KV cache on the device.
+"""The CUDA backend: the architecture's own layer code (minillm/arch/*.py) over the CUDA
+operations of kernels/cuda/layers.py, with the weights and the KV cache on the device.
 
-    backend = CudaBackend(arch)                  # uploads the weights (instead of arch.load_weights)
+    backend = CudaBackend(arch)                  # uploads the weights
     cache = backend.new_cache(n_ctx, n_keep, batch_size)
-    logits = backend.forward(ids, cache, logits_from)   # as arch.forward, same results
+    logits = backend.forward(ids, cache, logits_from)   # as the CPU backend's, same results
 
 Importing this module imports numba.cuda (the `cuda` extra); the CPU path never does.
 """
@@ -15,17 +15,17 @@ import threading
 import numpy as np
 from numba import cuda
 
-from .arch.base import NO_VECTOR
-from .errors import ModelError
-from .kernels.cpu.matmul import KIND_IDS
-from .kernels.cpu.unpack import dequantize, unpack
-from .kernels.cuda import layers as cuda_layers
-from .kernels.cuda import rmsnorm, upload_float_matrix, upload_matrix
-from .kernels.cuda.attention import MAX_HEAD_DIM
-from .kernels.cuda.layers import FLOAT_KIND, DeviceMatrix
-from .kernels.cuda.matmul import MATVEC_MAX_T
-from .kernels.cuda.norm_quant import MAX_K
-from .kv_cache import KVCache
+from ..errors import MinillmError, ModelError
+from ..kernels.cpu.matmul import KIND_IDS
+from ..kernels.cpu.unpack import dequantize, unpack
+from ..kernels.cuda import layers as cuda_layers
+from ..kernels.cuda import rmsnorm, upload_float_matrix, upload_matrix
+from ..kernels.cuda.attention import MAX_HEAD_DIM
+from ..kernels.cuda.layers import FLOAT_KIND, DeviceMatrix
+from ..kernels.cuda.matmul import MATVEC_MAX_T
+from ..kernels.cuda.norm_quant import MAX_K
+from ..kv_cache import F16_CACHE, KVCache
+from .base import Backend
 
 
 class CudaKVCache(KVCache):
@@ -90,41 +90,26 @@ def _device_copy(array):
     return out
 
 
-class CudaBackend:
-    """An architecture's weights on the device and its forward pass there."""
+class CudaBackend(Backend):
+    """An architecture's weights on the device and its forward pass there (the shared loop of
+    base.Backend over kernels/cuda/layers.py)."""
 
+    device = "cuda"
+    missing = {"rows": "batched rows (the scheduler, the server)", "speculation": "speculative decoding",
+               "imatrix": "the importance matrix"}
     _lock = threading.Lock()  # the ops' buffer pool serves one forward pass at a time
 
-    def __init__(self, arch, progress=None):
-        self.arch = arch
-        self.hp = arch.hp
-        if self.hp.head_dim > MAX_HEAD_DIM:
-            raise ModelError(f"heads of {self.hp.head_dim} values are larger than the CUDA attention "
+    def __init__(self, arch, cache_types: tuple[str, str] = F16_CACHE, progress=None):
+        if arch.hp.head_dim > MAX_HEAD_DIM:
+            raise ModelError(f"heads of {arch.hp.head_dim} values are larger than the CUDA attention "
                              f"takes ({MAX_HEAD_DIM})")
-        self.layer = arch.layer_with_ops(cuda_layers)
-        self.load_weights(progress)
+        if cache_types != F16_CACHE:
+            raise MinillmError("a quantized KV cache runs on the CPU only: use device 'cpu', or f16 cache types")
+        super().__init__(arch, cache_types, progress)
+        self.layer_function = self.layer_with_ops(cuda_layers)
+        self._kept = []  # the pass's device buffers that outlive a layer (positions, slots, tables)
 
     # -- weights ---------------------------------------------------------------------
-    def load_weights(self, progress=None) -> None:
-        """Upload every tensor once, laid out as Transformer.load_weights lays them out."""
-        arch, hp = self.arch, self.hp
-        self.output_norm = self.vector("output_norm.weight")                     # (E,)
-        self.output = self.matrix("output.weight" if "output.weight" in arch.gguf.tensors
-                                  else "token_embd.weight")                       # (V, E)
-        self.layers = []  # per layer: a tuple in layer_order (device vectors, DeviceMatrix)
-        for il in range(hp.n_layer):
-            layer = []
-            for source in arch.layer_sources(il):
-                if source is None:  # an optional vector the file lacks: the layer sees it empty
-                    layer.append(NO_VECTOR)
-                    continue
-                name, rows = source
-                one_d = len(arch.gguf.tensors[name].shape) == 1
-                layer.append(self.vector(name) if one_d else self.matrix(name, rows))
-            self.layers.append(tuple(layer))
-            if progress:
-                progress(il + 1, hp.n_layer)
-
     def vector(self, name: str):
         return cuda.to_device(np.ascontiguousarray(self.arch.vector(name)))
 
@@ -145,58 +130,44 @@ class CudaBackend:
         gguf.release_pages(name)
         return matrix
 
-    # -- forward ---------------------------------------------------------------------
+    # -- caches and forward passes ----------------------------------------------------
     def new_cache(self, n_ctx: int, n_keep: int = 0, batch_size: int = 512) -> CudaKVCache:
-        """As Model.new_cache, with the keys and values on the device."""
+        """As the CPU's, with the keys and values on the device."""
         hp = self.hp
         sizes, layout = self.arch.cache_layout(n_ctx, min(batch_size, n_ctx))
         return CudaKVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, sizes, layout, n_keep)
 
     def forward(self, ids: np.ndarray, cache: CudaKVCache, logits_from: int) -> np.ndarray:
-        """Evaluate ids at the cache's next positions; logits (T - logits_from, V) on the host."""
         with self._lock:
             try:
-                return self._forward(ids, cache, logits_from)
+                positions = cache.reserve(len(ids))
+                self._kept = list(cache.device_slots.values())
+                x = self.run_layers(ids, positions, cache.device_kv, 0, self.layers, cache.n_ctx)
+                cache.commit(len(ids))
+                return self.output_logits(x[logits_from:], self.output)
             finally:
+                self._kept = []
                 cuda_layers.recycle()
 
-    def _forward(self, ids, cache, logits_from):
-        pool = cuda_layers.POOL
-        positions = cache.reserve(len(ids))
-        d_positions = pool.upload(positions)          # (T,) int64
-        x = pool.upload(self.arch.embed(ids))         # (T, E) float32
-        tables = _upload_tables(self.arch.rope_tables(positions, cache.n_ctx))
-        kept = [d_positions, *cache.device_slots.values(), *_pairs(tables)]
-        for il, weights in enumerate(self.layers):
-            x = self.layer(x, weights, d_positions, cache.device_kv(il), 0, *self.arch.layer_args(il, tables))
-            cuda_layers.recycle(keep=(x, *kept))
-        cache.commit(len(ids))
-        n_out = len(ids) - logits_from
-        if n_out <= 0:
-            return np.empty((0, self.hp.n_vocab), np.float32)
-        x = x[logits_from:]                           # (n_out, E)
-        xn = rmsnorm(x, self.output_norm, np.float32(self.hp.rms_eps), pool.take(x.shape))
-        logits = cuda_layers.linear(self.output, xn).copy_to_host()
-        return self.arch.finish_logits(logits)
+    def to_device(self, array: np.ndarray):
+        """A pooled device copy, kept through the pass."""
+        device_array = cuda_layers.POOL.upload(array)
+        self._kept.append(device_array)
+        return device_array
 
-    def warm_up(self) -> None:
+    def layer_done(self, x) -> None:
+        cuda_layers.recycle(keep=(x, *self._kept))
+
+    def output_logits(self, x, output) -> np.ndarray:
+        if x.shape[0] == 0:
+            return np.empty((0, self.hp.n_vocab), np.float32)
+        xn = rmsnorm(x, self.output_norm, np.float32(self.hp.rms_eps), cuda_layers.POOL.take(x.shape))
+        if self.recorder is not None:
+            self.recorder.saw((output,), xn.copy_to_host())
+        return self.arch.finish_logits(cuda_layers.linear(output, xn).copy_to_host())
+
+    def warm_up(self, on_compile=None) -> None:
         """Compile the kernels (numba compiles each on its first launch): a one-token step
         (matrix-vector kernels) and a short batch (tiled kernels)."""
         for n in (1, MATVEC_MAX_T + 1):
             self.forward(np.zeros(n, np.int64), self.new_cache(n), n - 1)
-
-
-def _pairs(tables) -> list:
-    """The device arrays of rope tables: one (cos, sin) pair, or a dict of them."""
-    pairs = tables.values() if isinstance(tables, dict) else [tables]
-    return [array for pair in pairs for array in pair]
-
-
-def _upload_tables(tables):
-    """The architecture's rope tables ((cos, sin) host arrays, or a dict of such pairs) as pooled
-    device arrays, in the same structure: the CUDA RoPE kernel reads the CPU's angles."""
-    upload = cuda_layers.POOL.upload
-    if isinstance(tables, dict):
-        return {name: (upload(cos), upload(sin)) for name, (cos, sin) in tables.items()}
-    cos, sin = tables
-    return upload(cos), upload(sin)

@@ -4,7 +4,7 @@ N in 1, 4, 8, 16; plus the same load through the scheduler in this process, the 
 measured against. Reports aggregate generated tokens/s, time to first token and the gaps between
 a stream's tokens (p50/p99). Every client sends its own prompt, the same for every server.
 
-    python -m minillm.server.bench MODEL [--llama-server PATH] [--levels 1,4,8,16] [--out FILE]
+    python -m minillm.cli.bench_serve MODEL [--llama-server PATH] [--levels 1,4,8,16] [--out FILE]
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def run_level(port: int, n: int, n_gen: int) -> dict:
 
 def in_process(model, n: int, n_gen: int) -> float:
     """The same load through the scheduler in this process: aggregate tokens/s."""
-    from ..batch_input import make_request
+    from ..serving.batch_input import make_request
     from ..sampling import SamplingParams
 
     scheduler = model.scheduler(parallel=n, n_ctx=CTX_PER_SLOT)

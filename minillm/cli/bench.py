@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from .model import Model
+from ..model import Model
 
 
 def run_bench(path, n_prompt: int, n_gen: int, reps: int, threads, on_compile=None, device: str = "cpu",
@@ -88,8 +88,8 @@ def run_parallel_bench(path, levels: list[int], n_prompt: int, n_gen: int, threa
 
 def _parallel_run(model: Model, rng, n_seq: int, n_prompt: int, n_gen: int) -> tuple[float, float]:
     """(t_pp, t_tg) of one run of run_parallel_bench's level n_seq."""
-    from .sampling import SamplingParams
-    from .scheduler import Request
+    from ..sampling import SamplingParams
+    from ..serving.scheduler import Request
 
     scheduler = model.scheduler(parallel=n_seq, n_ctx=n_prompt + n_gen + 2, batch=n_seq * n_prompt)
     prompts = [rng.integers(0, model.n_vocab, size=n_prompt).tolist() for _ in range(n_seq)]
@@ -108,8 +108,8 @@ def admission_gaps(model: Model, rng, long_prompt: int = 1000, before: int = 32)
     gaps before (decoding alone, 32 tokens in) and the median and p99 of its gaps from the
     submission until the long prompt's first token (greedy, end tokens ignored). The stream's
     own context grows by a token a step meanwhile, so its later gaps cost more even alone."""
-    from .sampling import SamplingParams
-    from .scheduler import Request
+    from ..sampling import SamplingParams
+    from ..serving.scheduler import Request
 
     greedy = SamplingParams(temperature=0)
     scheduler = model.scheduler(parallel=2, n_ctx=long_prompt + 1024)

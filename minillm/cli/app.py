@@ -11,8 +11,8 @@ from typing import Optional
 
 import typer
 
-from .cli_generate import CACHE_TYPE_K, CACHE_TYPE_V
-from .errors import MinillmError
+from .generate import CACHE_TYPE_K, CACHE_TYPE_V
+from ..errors import MinillmError
 
 app = typer.Typer(
     add_completion=False,
@@ -40,7 +40,7 @@ def load_model(path: Path, threads: Optional[int], device: str, cache_types: tup
     collector is off until then (main): starting creates ~10^5 long-lived objects (Numba's
     registries, the vocabulary) and each full collection over them cost 20-50 ms of a cold
     start. They are then frozen out of later collections, and collection resumes."""
-    from .model import Model
+    from ..model import Model
 
     try:
         m = Model(path, threads=threads, device=device, cache_types=cache_types)
@@ -167,7 +167,12 @@ def _bench_parallel(model: Path, levels: str, n_prompt: int, n_gen: int, reps: i
 
 
 def _register_commands() -> None:
-    from . import cli_chat, cli_generate, cli_imatrix, cli_quantize, cli_serve, cli_tokenize
+    from . import chat as cli_chat
+    from . import generate as cli_generate
+    from . import imatrix as cli_imatrix
+    from . import quantize as cli_quantize
+    from . import serve as cli_serve
+    from . import tokenize as cli_tokenize
 
     for module in (cli_generate, cli_chat, cli_serve, cli_quantize, cli_imatrix, cli_tokenize):
         module.register(app)
@@ -237,7 +242,7 @@ def perplexity(
         return _kl_divergence(model, kld_base, threads, device, (cache_type_k, cache_type_v), as_json)
     if file is None:
         raise MinillmError("no text to score: pass -f FILE")
-    from .perplexity import perplexity as run
+    from ..quality.perplexity import perplexity as run
 
     try:
         text = file.read_text(encoding="utf-8")
@@ -267,8 +272,8 @@ def _chunk_bar(quiet: bool):
 
 
 def _kl_divergence(model: Path, base: Path, threads, device: str, cache_types, as_json: bool) -> None:
-    from .kl_divergence import BaseFile, mean_and_uncertainty
-    from .perplexity import kl_divergence
+    from ..quality.kl_divergence import BaseFile, mean_and_uncertainty
+    from ..quality.perplexity import kl_divergence
 
     base_file = BaseFile.open(base)
     m = load_model(model, threads, device, cache_types)

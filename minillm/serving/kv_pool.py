@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import MinillmError
-from .kv_cache import F16_CACHE, cache_arrays, cache_bytes
+from ..errors import MinillmError
+from ..kv_cache import F16_CACHE, cache_arrays, cache_bytes
 
 SHIFT = 4
 BLOCK = 1 << SHIFT  # cells per block

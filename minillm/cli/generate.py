@@ -58,7 +58,7 @@ def sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, p
 
 
 def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
-    from .errors import MinillmError
+    from ..errors import MinillmError
 
     if prompt is not None and file is not None:
         raise typer.BadParameter("give either -p or -f, not both")
@@ -75,7 +75,7 @@ def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
 
 
 def _print_beam_search(model, ids, n_predict, beams, ctx, ignore_eos, as_json) -> None:
-    from .generate import beam_search
+    from ..generate import beam_search
 
     tokens, logp = beam_search(model, ids, n_predict, beams, n_ctx=ctx, ignore_eos=ignore_eos)
     text = model.detokenize(tokens)
@@ -89,8 +89,8 @@ def _print_beam_search(model, ids, n_predict, beams, ctx, ignore_eos, as_json) -
 def speculation_for(model, n_ctx: int, draft: Optional[Path], lookup: bool, draft_max: int, draft_min: int,
                     draft_p_min: float, lookup_ngram: int, threads: Optional[int]):
     """The Speculation the flags ask for (None for plain decoding); loads the draft model."""
-    from .cli import load_model
-    from .speculative import SpeculationParams, make_speculation
+    from .app import load_model
+    from ..speculative import SpeculationParams, make_speculation
 
     params = SpeculationParams(draft_max, draft_min, draft_p_min, lookup_ngram)
     draft_model = load_model(draft, threads, "cpu") if draft is not None else None
@@ -117,7 +117,7 @@ def need_model(model: Optional[Path], server: Optional[str], local_only: dict) -
 
 def _generate_on_server(server, api_key, prompt, n_predict, params, stop, ignore_eos, as_json, verbose) -> None:
     """generate's output contract, with the work done by a running server."""
-    from .server.client import ServerClient, request_body
+    from .remote import ServerClient, request_body
 
     client = ServerClient(server, api_key)
     if as_json:
@@ -197,10 +197,10 @@ def register(app: typer.Typer) -> None:
         """Generate text from a prompt (-p, -f or stdin), or for every line of --batch-file."""
         import random
 
-        from .cli import load_model
-        from .generate import Session
-        from .sampling import SamplingParams
-        from .speculative import guess_summary
+        from .app import load_model
+        from ..generate import Session
+        from ..sampling import SamplingParams
+        from ..speculative import guess_summary
 
         need_model(model, server, {"--ctx": ctx is not None, "--threads": threads is not None,
                                    "--device": device != "auto", "--chat-template": chat_template is not None,
@@ -225,7 +225,7 @@ def register(app: typer.Typer) -> None:
                 def chat_messages(text):
                     return ([{"role": "system", "content": system}] if system is not None else []) + [
                         {"role": "user", "content": text}]
-            from .cli_batch import run_batch_file
+            from .batch import run_batch_file
 
             defaults = dict(max_tokens=n_predict, sampling=params, stop=stop, ignore_eos=ignore_eos, lookup=lookup,
                             draft=draft is not None)

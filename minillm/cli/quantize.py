@@ -18,8 +18,8 @@ from typing import List, Optional
 
 import typer
 
-from .errors import MinillmError
-from .quantize.ftypes import TENSOR_TYPES, parse_file_type, type_help
+from ..errors import MinillmError
+from ..quantize.ftypes import TENSOR_TYPES, parse_file_type, type_help
 
 
 def register(app: typer.Typer) -> None:
@@ -168,7 +168,7 @@ def _read_text(path: Path) -> str:
 
 
 def _quantize_one(in_path: Path, out: Optional[Path], type_name: str, options: dict, dry_run: bool) -> None:
-    from .quantize import quantize
+    from ..quantize import quantize
 
     name = parse_file_type(type_name).name
     _err(f"planning {in_path} as {name}" if dry_run else f"quantizing {in_path} to {out} as {name}")
@@ -198,7 +198,7 @@ def _layers_to_prune(in_path: Path, spec: Optional[str], text: Optional[str], n_
                            "pass --calibration TEXT or --eval TEXT")
     from tqdm import tqdm
 
-    from .quantize.evaluate import cheapest_layers, layer_importance
+    from ..quality.evaluate import cheapest_layers, layer_importance
 
     _err(f"measuring the cost of leaving out each layer of {in_path} ({n_chunks} chunks of {n_ctx} tokens)")
     with tqdm(total=None, unit="layer", file=sys.stderr, leave=False) as bar:
@@ -219,7 +219,7 @@ def _layers_to_prune(in_path: Path, spec: Optional[str], text: Optional[str], n_
 def _report_eval(in_path: Path, outputs: list[Path], text: str, n_ctx: int, n_chunks, threads, as_json: bool):
     from tqdm import tqdm
 
-    from .quantize.evaluate import Evaluator, table_lines
+    from ..quality.evaluate import Evaluator, table_lines
 
     with tqdm(total=None, unit="chunk", file=sys.stderr, leave=False) as bar:
         def progress(label, done, total):

@@ -5,7 +5,7 @@ and `open` (open-ended answers). `minillm bench MODEL --lookup` / `--draft DRAFT
 model; `make bench-speculative` on both real models and a draft pair, with llama.cpp's
 llama-lookup and llama-speculative-simple on the same prompts when LLAMA_BIN names their folder:
 
-    python -m minillm.bench_speculative [--out bench-speculative.json] [--llama-bin DIR]
+    python -m minillm.cli.bench_speculative [--out bench-speculative.json] [--llama-bin DIR]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .model import Model
+from ..model import Model
 
 COPY = {
     "extract": "Here is a text:\n\nThe river town of Ashford grew up around a mill built in 1712. For a century the "
@@ -118,7 +118,7 @@ def main() -> None:
     q8 = models / "SmolLM2-135M-Instruct.Q8_0.gguf"
     small = models / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not q8.exists():
-        from .quantize import quantize
+        from ..quantize import quantize
 
         quantize(small, q8, "Q8_0", allow_requantize=True)
     cases = [(small, None), (models / "gemma-3-270m-q4_k_m.gguf", None), (q8, small)]

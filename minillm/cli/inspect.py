@@ -4,9 +4,9 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .arch import ARCHITECTURES, get_architecture
-from .errors import UnsupportedError
-from .gguf_file import GGUFFile
+from ..arch import ARCHITECTURES, get_architecture
+from ..errors import UnsupportedError
+from ..gguf_file import GGUFFile
 
 
 def describe(path: Path) -> dict:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numba as nb
 import numpy as np
 
-from .errors import MinillmError
-from .imatrix_file import Collector, Imatrix
+from ..errors import MinillmError
+from ..imatrix_file import Collector, Imatrix
 from .perplexity import _nll
 
 MIN_UBATCH_ROWS = 16          # llama-imatrix ignores products of fewer rows
@@ -49,24 +49,25 @@ def _accumulate_squares(x, sum2):
 
 
 class ActivationRecorder:
-    """Installed as the architecture's `recorder`: the layers then run over operations that
+    """Installed as the backend's `recorder`: the layers then run over operations that
     hand every weight product's input here first (the same kernels: nothing else changes).
     The sums go to the collector's entries (those of files loaded before included), and each
     count it hears of right away: llama-imatrix writes its periodic files at that point, in the
     middle of a ubatch."""
 
-    def __init__(self, arch, collector: Collector, process_output: bool = False):
+    def __init__(self, backend, collector: Collector, process_output: bool = False):
         self.names = {}                              # id(packed weight tuple) -> tensor name
-        for il, layer in enumerate(arch.layers):
-            for value, source in zip(layer, arch.layer_sources(il)):
+        for il, layer in enumerate(backend.layers):
+            for value, source in zip(layer, backend.arch.layer_sources(il)):
                 if source is not None and isinstance(value, tuple):
                     self.names[id(value)] = source[0]
         if process_output:
-            self.names[id(arch.output.packed)] = arch.output.name
+            self.names[id(backend.output)] = backend.output_name
         self.collector = collector
         self.entries = self.collector.entries
         self.collecting = True
-        self.layer_function = arch.layer_with_ops(self._recording_ops(arch.layer_function.py_func.__globals__["ops"]))
+        cpu_ops = backend.arch.layer_function.py_func.__globals__["ops"]
+        self.layer_function = backend.layer_with_ops(self._recording_ops(cpu_ops))
 
     def _recording_ops(self, base):
         ops = types.SimpleNamespace(**{k: getattr(base, k) for k in dir(base) if not k.startswith("__")})
@@ -107,21 +108,22 @@ class StreamKV:
     parts: list
 
 
-def forward_streams(arch, pieces) -> np.ndarray:
+def forward_streams(backend, pieces) -> np.ndarray:
     """One ubatch of several streams, pieces [(cache, ids)], evaluated as llama.cpp does it:
-    every product over all the rows together, attention per stream. Logits (rows, n_vocab)."""
+    every product over all the rows together, attention per stream (on the CPU backend).
+    Logits (rows, n_vocab)."""
     positions = [cache.reserve(len(ids)) for cache, ids in pieces]
     ends = np.cumsum([len(ids) for _, ids in pieces])
     starts = ends - [len(ids) for _, ids in pieces]
 
     def kv_of(il):
-        return StreamKV([(a, b, arch.cache_kv(cache, il)) for a, b, (cache, _) in zip(starts, ends, pieces)])
+        return StreamKV([(a, b, backend.cache_kv(cache, il)) for a, b, (cache, _) in zip(starts, ends, pieces)])
 
-    x = arch.run_layers(np.concatenate([ids for _, ids in pieces]), np.concatenate(positions), kv_of, 0,
-                        arch.layers, pieces[0][0].n_ctx)
+    x = backend.run_layers(np.concatenate([ids for _, ids in pieces]), np.concatenate(positions), kv_of, 0,
+                           backend.layers, pieces[0][0].n_ctx)
     for cache, ids in pieces:
         cache.commit(len(ids))
-    return arch.output_logits(x, arch.output.packed)
+    return backend.output_logits(x, backend.output)
 
 
 @dataclass
@@ -149,8 +151,7 @@ def compute_imatrix(model, text: str, dataset: str, n_ctx: int = 512, n_batch: i
     --chunk; at least two must remain, and a token more). collector: where the sums go, with
     the files loaded before (a Collector(n_ctx) of its own if None); its on_chunks hears of
     every new chunk count."""
-    if model.backend is not None:
-        raise MinillmError("the importance matrix is computed on the CPU: pass --device cpu")
+    model.backend.check_supports("imatrix")
     tok = model.tokenizer
     tokens = tok.tokenize(text, special=False)
     if first_chunk > 0:
@@ -171,10 +172,10 @@ def compute_imatrix(model, text: str, dataset: str, n_ctx: int = 512, n_batch: i
         collector = Collector(n_ctx)
     elif collector.n_ctx != n_ctx:
         raise ValueError(f"the collector counts chunks of {collector.n_ctx} tokens, not {n_ctx}")
-    recorder = ActivationRecorder(model.arch, collector, process_output)
+    recorder = ActivationRecorder(model.backend, collector, process_output)
     bos = tok.bos_id if tok.add_bos and tok.bos_id is not None else None
     nll_total, n_scored = 0.0, 0
-    model.arch.recorder = recorder
+    model.backend.recorder = recorder
     try:
         for i in range(0, n_chunk, n_seq):
             seqs = range(i, min(i + n_seq, n_chunk))
@@ -189,7 +190,7 @@ def compute_imatrix(model, text: str, dataset: str, n_ctx: int = 512, n_batch: i
                     if start == 0 and bos is not None:
                         for _, ids in pieces:
                             ids[0] = bos
-                    logits = forward_streams(model.arch, pieces)
+                    logits = forward_streams(model.backend, pieces)
                     if compute_ppl:
                         for s, chunk in enumerate(chunks):
                             nll = _scored_nll(logits[s * n:(s + 1) * n], chunk, start, n_ctx)
@@ -198,7 +199,7 @@ def compute_imatrix(model, text: str, dataset: str, n_ctx: int = 512, n_batch: i
             if progress:
                 progress(seqs[-1] + 1, n_chunk, float(np.exp(nll_total / n_scored)) if n_scored else None)
     finally:
-        model.arch.recorder = None
+        model.backend.recorder = None
     if not recorder.entries:
         raise MinillmError("no weight products were recorded (chunks of fewer than 16 tokens per step?)")
     return ImatrixResult(collector.imatrix(dataset), n_chunk, float(np.exp(nll_total / n_scored)) if n_scored else None)

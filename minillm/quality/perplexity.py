@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import MinillmError
+from ..errors import MinillmError
 from .kl_divergence import BaseFile, BaseWriter, KLDResult, KLDSums
 
 

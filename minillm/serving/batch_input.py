@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from .errors import MinillmError
-from .sampling import SamplingParams
+from ..errors import MinillmError
+from ..sampling import SamplingParams
 from .scheduler import Request
 
 # field -> (type check, what it must be)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import MinillmError
-from .imatrix_file import _INT_MAX, Entry, TensorStats, _f32, nextn_start, split_name, stoi, tensor_statistics
+from ..errors import MinillmError
+from ..imatrix_file import _INT_MAX, Entry, TensorStats, _f32, nextn_start, split_name, stoi, tensor_statistics
 
 _NAN = float("nan")
 

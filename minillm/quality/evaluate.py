@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MinillmError
-from ..kl_divergence import KLDResult, KLDSums, encode_log_probs
+from .kl_divergence import KLDResult, KLDSums, encode_log_probs
 
 MIB = 1024 * 1024
 
@@ -40,7 +40,7 @@ class EvalRow:
 
 
 def _decode_speed(model, n_gen: int = 64) -> float:
-    from ..bench import _time_decode
+    from ..cli.bench import _time_decode
 
     rng = np.random.default_rng(0)
     model.eval(rng.integers(0, model.n_vocab, size=4), model.new_cache(8))   # warm
@@ -62,7 +62,7 @@ class Evaluator:
     def __init__(self, source, text: str, n_ctx: int = 512, n_chunks: int | None = None,
                  threads: int | None = None, speed: bool = True, progress=None):
         from ..model import Model
-        from ..perplexity import perplexity
+        from .perplexity import perplexity
 
         self.threads, self.speed, self.progress = threads, speed, progress
         self.tmp = tempfile.TemporaryDirectory(prefix="minillm-eval-")
@@ -80,7 +80,7 @@ class Evaluator:
 
     def row(self, path) -> EvalRow:
         from ..model import Model
-        from ..perplexity import kl_divergence
+        from .perplexity import kl_divergence
 
         model = Model(path, threads=self.threads, device="cpu")
         figures = kl_divergence(model, self.base_path, self._step(Path(path).name)).figures()
@@ -128,7 +128,7 @@ def layer_importance(path, text: str, n_ctx: int = 512, n_chunks: int = 2, threa
                      progress=None) -> list[LayerCost]:
     """Every layer's cost when it alone is left out, on the text's first n_chunks chunks."""
     from ..model import Model
-    from ..perplexity import chunk_count, scored_chunks
+    from .perplexity import chunk_count, scored_chunks
 
     model = Model(path, threads=threads, device="cpu")
     ids = model.tokenizer.tokenize(text, special=False)
@@ -142,7 +142,7 @@ def layer_importance(path, text: str, n_ctx: int = 512, n_chunks: int = 2, threa
     costs = []
     try:
         for il in range(n_layer):
-            model.arch.skipped_layers = frozenset((il,))
+            model.backend.skipped_layers = frozenset((il,))
             sums = KLDSums()
             for c, logits, targets in scored_chunks(model, ids, n_ctx, n_chunks):
                 sums.add(logits, reference[c][0], targets)
@@ -151,7 +151,7 @@ def layer_importance(path, text: str, n_ctx: int = 512, n_chunks: int = 2, threa
             if progress:
                 progress(il + 1, n_layer)
     finally:
-        model.arch.skipped_layers = frozenset()
+        model.backend.skipped_layers = frozenset()
     return costs
 
 

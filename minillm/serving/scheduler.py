@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import MinillmError
-from .generate import Chunk, Session, StopMatcher, Timings, token_logprobs
+from ..errors import MinillmError
+from ..generate import Chunk, Session, StopMatcher, Timings, token_logprobs
 from .kv_pool import KVPool
-from .sampling import Sampler, SamplingParams
-from .speculative import (Speculation, SpeculationParams, check_params, check_same_vocabulary, draft_speculation,
+from ..sampling import Sampler, SamplingParams
+from ..speculative import (Speculation, SpeculationParams, check_params, check_same_vocabulary, draft_speculation,
                           make_speculation)
 
 DEFAULT_PARALLEL = 4
@@ -119,7 +119,7 @@ class Handle:
                 return
 
     def result(self):
-        from .model import Result
+        from ..model import Result
 
         return Result.collect(iter(self))
 
@@ -215,8 +215,7 @@ class Scheduler:
     def __init__(self, model, parallel: int = DEFAULT_PARALLEL, n_ctx: int | None = None,
                  batch: int = DEFAULT_CHUNK, kv_cells: int | None = None, policy: str = "priority",
                  kv_memory: int | None = None, draft=None, speculation: SpeculationParams | None = None):
-        if model.backend is not None:
-            raise MinillmError("batched generation runs on the CPU only for now (use --device cpu)")
+        model.backend.check_supports("rows")
         if policy not in POLICIES:
             raise MinillmError(f"unknown scheduling policy {policy!r} (choose from {', '.join(POLICIES)})")
         if parallel < 1:
@@ -234,8 +233,7 @@ class Scheduler:
         self.pool = KVPool(model.arch, parallel, self.n_ctx, kv_cells, rows, model.cache_types)
         self.slots = [_Slot(i) for i in range(parallel)]
         if draft is not None:
-            if draft.backend is not None:
-                raise MinillmError("the draft model runs on the CPU only (load it with device cpu)")
+            draft.backend.check_supports("speculation")
             check_same_vocabulary(draft, model)
         self.draft = draft
         self.speculation = speculation or SpeculationParams()
@@ -527,7 +525,7 @@ class Scheduler:
         rows = np.array(inner + last, np.int64).reshape(-1, 3)
         row_seq, positions, ids = rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy()
         kv_of = self.pool.batch_kv(row_seq, positions)
-        logits = self.model.arch.forward_rows(ids, positions, kv_of, len(inner), self.pool.n_ctx)
+        logits = self.model.backend.forward_rows(ids, positions, kv_of, len(inner), self.pool.n_ctx)
         for handle, n in plan:
             slot = handle.slot
             start = len(slot.tokens)

@@ -1,6 +1,6 @@
 """The checks that need a real NVIDIA GPU, in one run of a few minutes (make gpu-check):
 
-    python -m minillm.gpu_check --out gpu-check.json
+    python -m minillm.cli.gpu_check --out gpu-check.json
 
   tests   the CUDA tests on the GPU (MINILLM_CUDA_REAL=1 pytest -m cuda): every kernel against
           the CPU kernels and compiled to PTX, the CUDA backend against the CPU path
@@ -95,7 +95,7 @@ def _junit_summary(path: Path) -> dict:
 
 
 def load(path: Path, device: str):
-    from .model import Model
+    from ..model import Model
 
     model = Model(path, device=device)
     model.warm_up()

@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from .errors import MinillmError
+from ..errors import MinillmError
 
 
 def register(app: typer.Typer) -> None:
@@ -31,8 +31,8 @@ def tokenize_command(
     no_bos: bool = typer.Option(False, "--no-bos", help="Do not add the model's BOS token."),
 ) -> None:
     """Split text into the model's tokens (llama.cpp-compatible ids)."""
-    from .gguf_file import GGUFFile
-    from .tokenizer import Tokenizer
+    from ..gguf_file import GGUFFile
+    from ..tokenizer import Tokenizer
 
     text = prompt if prompt is not None else sys.stdin.read()
     try:

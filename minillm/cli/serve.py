@@ -11,8 +11,8 @@ from typing import Optional
 
 import typer
 
-from .cli_generate import CACHE_TYPE_K, CACHE_TYPE_V, CTX, DRAFT, DRAFT_MAX, DRAFT_MIN, DRAFT_P_MIN, MODEL, THREADS
-from .errors import MinillmError
+from .generate import CACHE_TYPE_K, CACHE_TYPE_V, CTX, DRAFT, DRAFT_MAX, DRAFT_MIN, DRAFT_P_MIN, MODEL, THREADS
+from ..errors import MinillmError
 
 
 def _err(message: str) -> None:
@@ -66,11 +66,11 @@ def register(app: typer.Typer) -> None:
         try:
             import uvicorn
 
-            from .server.app import Server, ServerState, Settings, build_app
+            from ..serving.app import Server, ServerState, Settings, build_app
         except ImportError as exc:
             raise MinillmError(f"minillm serve needs starlette and uvicorn ({exc.name} is missing): "
                                "pip install 'minillm[server]'") from None
-        from .scheduler import POLICIES
+        from ..serving.scheduler import POLICIES
 
         if scheduling not in POLICIES:
             raise typer.BadParameter(f"--scheduling is one of {', '.join(POLICIES)}, not {scheduling!r}")

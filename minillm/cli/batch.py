@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .errors import MinillmError
+from ..errors import MinillmError
 
 
 def read_lines(path) -> list[tuple[int, str]]:
@@ -45,7 +45,7 @@ def run_batch_file(m, path, parallel: int, n_ctx, batch: int, defaults: dict, ch
     when every line succeeded. draft, speculation: Model.scheduler's."""
     from tqdm import tqdm
 
-    from .batch_input import make_request
+    from ..serving.batch_input import make_request
 
     scheduler = m.scheduler(parallel, n_ctx, batch, draft=draft, speculation=speculation)
     records: list[dict | None] = []

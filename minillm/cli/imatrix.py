@@ -22,7 +22,7 @@ import click
 import typer
 from typer.core import TyperCommand
 
-from .errors import MinillmError
+from ..errors import MinillmError
 
 try:                                # typer 0.2x carries its own copy of click
     from typer._click.exceptions import UsageError as _TyperUsageError
@@ -139,7 +139,7 @@ def _warn(message: str) -> None:
 
 
 def _loaded(in_files: list[str], n_ctx: int):
-    from .imatrix_file import Collector, load
+    from ..imatrix_file import Collector, load
 
     collector = Collector(n_ctx, _warn)
     for path in in_files:
@@ -148,8 +148,8 @@ def _loaded(in_files: list[str], n_ctx: int):
 
 
 def _write(path: Path, imatrix, fmt: OutputFormat, final: bool = False) -> None:
-    from .imatrix_file import to_bytes, to_dat_bytes
-    from .quantize.writer import AtomicOutput
+    from ..imatrix_file import to_bytes, to_dat_bytes
+    from ..quantize.writer import AtomicOutput
 
     if fmt is OutputFormat.dat:
         data, left_out = to_dat_bytes(imatrix)
@@ -164,7 +164,7 @@ def _write(path: Path, imatrix, fmt: OutputFormat, final: bool = False) -> None:
 
 
 def _show_statistics(in_files: list[str], n_ctx: int, as_json: bool) -> None:
-    from .imatrix_stats import figures, format_table, report
+    from ..quality.imatrix_stats import figures, format_table, report
 
     if not in_files:
         raise MinillmError("--show-statistics shows the statistics of --in-file FILE: pass the importance matrix")
@@ -217,8 +217,8 @@ def _imatrix(model, file, out, output_format, in_files, show_statistics, n_ctx, 
         raise MinillmError("computing an importance matrix needs MODEL, the .gguf file to run over the text")
     from tqdm import tqdm
 
-    from .cli import load_model
-    from .imatrix import compute_imatrix
+    from .app import load_model
+    from ..quality.imatrix import compute_imatrix
 
     copies: list[str] = []
 

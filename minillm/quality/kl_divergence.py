@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import MinillmError
+from ..errors import MinillmError
 
 MAGIC = b"_logits_"
 HEADER = struct.Struct("<Iii")          # n_ctx, n_vocab, n_chunk

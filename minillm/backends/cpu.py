@@ -1,0 +1,114 @@
+"""The CPU backend: weights packed for the Numba kernels (minillm/weights.py), the
+architecture's compiled layer (its module's `ops` are kernels/cpu/layers.py), KV caches in host
+memory (minillm/kv_cache.py)."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import numpy as np
+
+from ..kernels.cpu import ops
+from ..kernels.cpu.layers import NO_PAGING, linear
+from ..kv_cache import KVCache
+from ..memory import release_compiler_pages
+from ..weights import Matrix, row_by_row
+from .base import Backend
+
+
+class CpuBackend(Backend):
+    device = "cpu"
+
+    def __init__(self, arch, cache_types: tuple[str, str], progress=None):
+        super().__init__(arch, cache_types, progress)
+        self.layer_function = arch.layer_function
+        self.row_layers = None  # self.layers with every product computed row by row (forward_rows)
+
+    # -- weights ---------------------------------------------------------------------
+    def vector(self, name: str) -> np.ndarray:
+        return self.arch.vector(name)
+
+    def matrix(self, name: str, rows: tuple[int, int] | None = None) -> tuple:
+        """The packed tuple the compiled layers take (weights.Matrix, kernels/cpu/layers.py)."""
+        gguf = self.arch.gguf
+        info = gguf.tensors[name]
+        r0, r1 = rows or (0, info.shape[1])
+        matrix = Matrix(name, info.format, gguf.raw(name)[r0:r1], r1 - r0, info.shape[0],
+                        release=lambda a, b: gguf.release_pages(name, (r0 + a, r0 + b)))
+        gguf.release_pages(name)
+        return matrix.packed
+
+    # -- caches and forward passes ----------------------------------------------------
+    def new_cache(self, n_ctx: int, n_keep: int = 0, batch_size: int = 512) -> KVCache:
+        hp, arch = self.hp, self.arch
+        sizes, layout = arch.cache_layout(n_ctx, min(batch_size, n_ctx))
+        return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, sizes, layout, n_keep, arch.cache_windows(),
+                       self.cache_types)
+
+    def forward(self, ids: np.ndarray, cache, logits_from: int) -> np.ndarray:
+        positions = cache.reserve(len(ids))
+        # as llama.cpp, the last layer's feed-forward runs on the output rows only
+        out_from = min(logits_from, len(ids) - 1)
+        x = self.run_layers(ids, positions, lambda il: self.cache_kv(cache, il), out_from, self.layers, cache.n_ctx)
+        cache.commit(len(ids))
+        return self.output_logits(x[logits_from - out_from:], self.output)
+
+    @staticmethod
+    def cache_kv(cache, il: int) -> tuple:
+        """Layer il's view of one sequence's cache, as the CPU layers take it (kernels/cpu/layers.py)."""
+        kc, vc, group, slots = cache.layer(il)
+        return kc, vc, group.kv_pos, slots, group.n_keep, NO_PAGING
+
+    def forward_rows(self, ids: np.ndarray, positions: np.ndarray, kv_of, out_from: int, n_ctx: int) -> np.ndarray:
+        """The batching scheduler's forward: rows of several sequences (ids, positions (T,)),
+        each computed exactly as if it were evaluated alone, one token at a time (one kernel
+        path per row, whatever the other rows). kv_of(il): layer il's kv tuple over the shared
+        pool (minillm/serving/kv_pool.py); n_ctx: the positions each sequence may hold. Logits
+        (T - out_from, V) of the rows from out_from on."""
+        if self.row_layers is None:
+            self.row_layers = [tuple(row_by_row(w) if isinstance(w, tuple) else w for w in layer)
+                               for layer in self.layers]
+        x = self.run_layers(ids, positions, kv_of, out_from, self.row_layers, n_ctx)
+        return self.output_logits(x, row_by_row(self.output))
+
+    def forward_each_alone(self, ids: np.ndarray, cache) -> np.ndarray:
+        """Logits (T, V) of ids at the cache's next positions, each row bit for bit what
+        forward() gives that token evaluated alone after the rows before it (speculative
+        decoding's verification). Only within cache.headroom(), where no row's cells are lost."""
+        positions = cache.reserve(len(ids))
+
+        def kv_of(il):
+            kc, vc, group, slots = cache.layer(il)
+            return kc, vc, group.kv_pos, slots, group.n_keep, cache.paging(il, len(ids))
+
+        logits = self.forward_rows(ids, positions, kv_of, 0, cache.n_ctx)
+        cache.commit(len(ids))
+        return logits
+
+    def output_logits(self, x: np.ndarray, output) -> np.ndarray:
+        """Logits (T, V) of hidden states x (T, E): final norm, output product (its packed tuple)."""
+        if x.shape[0] == 0:
+            return np.empty((0, self.hp.n_vocab), np.float32)
+        xn = np.empty_like(x)
+        ops.rmsnorm(x, self.output_norm, np.float32(self.hp.rms_eps), xn)
+        if self.recorder is not None:
+            self.recorder.saw((output,), xn)
+        return self.arch.finish_logits(linear(output, xn))
+
+    def warm_up(self, on_compile=None) -> None:
+        """One token through the model so that the compiled kernels are ready; then LLVM's pages,
+        idle from here on, go back to the kernel (memory.py). On a machine's first run this
+        compiles the kernels (minutes), inside on_compile() when given."""
+        compiling = on_compile() if on_compile is not None and not self.kernels_cached() else nullcontext()
+        with compiling:
+            self.forward(np.zeros(1, np.int64), self.new_cache(2), 0)
+        release_compiler_pages()
+
+    def kernels_cached(self) -> bool:
+        """Whether Numba's on-disk cache (wherever NUMBA_CACHE_DIR puts it) holds this
+        architecture's layer function for the current source. Numba has no public call for
+        this: its cache index is read the way Numba itself reads it (empty when the file is
+        missing or the source changed since)."""
+        try:
+            return bool(self.layer_function._cache._cache_file._load_index())
+        except (AttributeError, OSError):  # another Numba version: assume the worst, say we compile
+            return False
