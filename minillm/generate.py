@@ -5,94 +5,15 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 
 from .errors import MinillmError
-from .sampling import Sampler, SamplingParams
+from .sampling import SamplingParams
+from .sequence import Chunk, Sequence, Timings, log_softmax
 
 N_KEEP = 4  # attention-sink tokens kept when decoding runs past the context
-
-
-@dataclass
-class Timings:
-    n_prompt: int = 0          # prompt tokens evaluated (after reuse of the cache)
-    n_generated: int = 0
-    prompt_s: float = 0.0
-    generate_s: float = 0.0
-    n_drafted: int = 0         # speculative decoding: tokens guessed, and how many were accepted
-    n_accepted: int = 0
-
-    @property
-    def prompt_tokens_per_s(self) -> float:
-        return self.n_prompt / self.prompt_s if self.prompt_s else 0.0
-
-    @property
-    def generate_tokens_per_s(self) -> float:
-        return self.n_generated / self.generate_s if self.generate_s else 0.0
-
-
-@dataclass
-class Chunk:
-    """One step of a streamed generation."""
-    text: str                          # new text (may be empty while a stop string is pending)
-    token: int | None                  # the sampled token id (None on the final chunk)
-    finish_reason: str | None = None   # "stop" (end token or stop string) or "length"
-    timings: Timings = field(default_factory=Timings)
-    logprobs: "TokenLogprobs | None" = None  # when the request asked for them (scheduler.Request.logprobs)
-
-
-@dataclass
-class TokenLogprobs:
-    """The sampled token's log-probability under the model's distribution (the raw logits'
-    softmax, before any sampler setting), and the most likely tokens with theirs."""
-    logprob: float
-    top: list[tuple[int, float]]       # (token id, logprob), best first
-
-
-def token_logprobs(logits: np.ndarray, token: int, n_top: int) -> TokenLogprobs:
-    """log-softmax of logits (n_vocab,) at token, and the n_top best tokens."""
-    x = logits.astype(np.float64)
-    shifted = x - x.max()
-    log_z = np.log(np.exp(shifted).sum())
-    top = []
-    if n_top > 0:
-        best = np.argpartition(-x, n_top - 1)[:n_top]
-        best = best[np.argsort(-x[best], kind="stable")]
-        top = [(int(i), float(shifted[i] - log_z)) for i in best]
-    return TokenLogprobs(float(shifted[token] - log_z), top)
-
-
-class StopMatcher:
-    """Holds back text that could still become a stop string; reports when one appears."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        """Add text; return (text safe to emit, whether a stop string was found)."""
-        self.pending += text
-        for stop in self.stops:
-            at = self.pending.find(stop)
-            if at >= 0:
-                out, self.pending = self.pending[:at], ""
-                return out, True
-        hold = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(stop[:n]):
-                    hold = max(hold, n)
-                    break
-        cut = len(self.pending) - hold
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
 
 
 class Session:
@@ -145,49 +66,37 @@ class Session:
         """Stream the continuation of prompt_ids (see Chunk); the last chunk has a finish_reason.
         ignore_eos: keep going through end-of-generation tokens (for benchmarks). speculation:
         a speculative.Speculation that guesses tokens to verify several a pass."""
-        params = params or SamplingParams()
-        sampler = Sampler(params)
         prompt_ids = self.check_prompt(list(prompt_ids), truncate)
-        timings = Timings()
+        seq = Sequence(self.tokenizer, prompt_ids, max_tokens, params, stop, ignore_eos)
+        timings = seq.timings
         t0 = time.perf_counter()
         logits = self.prefill(prompt_ids)
         if speculation is not None:
             speculation.start(prompt_ids)  # a draft model evaluates the prompt too
         timings.n_prompt, timings.prompt_s = self.n_evaluated, time.perf_counter() - t0
-        decoder = self.tokenizer.stream_decoder()
-        stops = StopMatcher(list(stop))
-        eog = set() if ignore_eos else self.tokenizer.eog_ids
-        history = list(prompt_ids)
         rows = deque([(logits, None)])  # evaluated rows not sampled yet: (logits, the token guessed there)
         t1 = time.perf_counter()
-        finish = "length"
-        for n in range(max_tokens):
+        if max_tokens <= 0:
+            self._settle(rows, timings, speculation, t1)
+            yield seq.finish("length")
+            return
+        while True:
             logits, guess = rows.popleft()
-            if guess is None:
-                token = sampler(logits, history)
-            else:
-                token = sampler.verify(logits, history, guess)
+            token = seq.choose(logits, guess)
+            if guess is not None:
                 speculation.judged(token == guess)
                 if token != guess:  # the rows after a replaced guess followed the wrong token
                     self._take_back(len(rows))
                     rows.clear()
-            if token in eog:
-                finish = "stop"
-                break
-            history.append(token)
-            timings.n_generated += 1
-            text, stopped = stops.push(decoder.feed(token))
-            if stopped:
+            chunks = seq.take(token)
+            if seq.done:
                 self._settle(rows, timings, speculation, t1)
-                yield Chunk(text, token, "stop", timings)  # the text before the stop string
+                yield from chunks
                 return
             self._settle((), timings, speculation, t1)
-            yield Chunk(text, token, None, timings)
-            if not rows and n + 1 < max_tokens:
-                rows.extend(self._advance(history, max_tokens - n - 1, speculation))
-        self._settle(rows, timings, speculation, t1)
-        text, _ = stops.push(decoder.flush())
-        yield Chunk(text + stops.flush(), None, finish, timings)
+            yield from chunks
+            if not rows:
+                rows.extend(self._advance(seq.tokens, max_tokens - timings.n_generated, speculation))
 
     def _settle(self, rows_left, timings: Timings, speculation, t1: float) -> None:
         """Bring timings up to date; rows_left (evaluated past the last token sampled) go."""
@@ -255,7 +164,7 @@ def _best_extensions(beams, n_beams: int, eog: set[int], finished: list) -> list
     end-of-generation token move to finished."""
     candidates = []
     for parent, (tokens, score, _, logits) in enumerate(beams):
-        logp = _log_softmax(logits)
+        logp = log_softmax(logits)
         for tok in np.argpartition(-logp, n_beams)[:n_beams]:
             candidates.append((score + float(logp[tok]), parent, int(tok)))
     candidates.sort(key=lambda c: -c[0])
@@ -268,9 +177,3 @@ def _best_extensions(beams, n_beams: int, eog: set[int], finished: list) -> list
         else:
             chosen.append((beams[parent][0] + [tok], score, parent))
     return chosen
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x -= x.max()
-    return x - np.log(np.exp(x).sum())

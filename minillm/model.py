@@ -14,6 +14,7 @@ from .errors import MinillmError
 from .gguf_file import GGUFFile
 from .kv_cache import F16_CACHE, KVCache, check_cache_types
 from .memory import release_compiler_pages
+from .sequence import Result
 
 DEFAULT_BATCH = 512
 def default_threads() -> int:
@@ -171,22 +172,6 @@ class Model:
             bad = int(ids[(ids < 0) | (ids >= self.n_vocab)][0])
             raise MinillmError(f"token id {bad} is outside the vocabulary (0..{self.n_vocab - 1})")
         return ids
-
-
-class Result:
-    """A whole (non-streamed) generation."""
-
-    def __init__(self, text: str, tokens: list[int], finish_reason: str, timings):
-        self.text, self.tokens, self.finish_reason, self.timings = text, tokens, finish_reason, timings
-
-    @classmethod
-    def collect(cls, chunks) -> "Result":
-        parts, tokens, last = [], [], None
-        for last in chunks:
-            parts.append(last.text)
-            if last.token is not None:
-                tokens.append(last.token)
-        return cls("".join(parts), tokens, last.finish_reason, last.timings)
 
 
 def load(path: str | os.PathLike, threads: int | None = None, progress=None, device: str = "cpu") -> Model:

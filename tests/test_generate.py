@@ -8,7 +8,8 @@ import pytest
 
 import minillm
 from conftest import REPORT, golden_rows, loaded_model, model_path
-from minillm.generate import Session, StopMatcher
+from minillm.generate import Session
+from minillm.sequence import StopMatcher
 from minillm.kv_cache import CacheGroup
 from minillm.sampling import Sampler, SamplingParams
 from synthetic import SyntheticModel
@@ -215,7 +216,8 @@ def test_generate_cli_closed_pipe_is_quiet():
 
 @pytest.mark.slow
 def test_beam_search_finds_a_sequence_at_least_as_likely_as_greedy():
-    from minillm.generate import _log_softmax, beam_search
+    from minillm.generate import beam_search
+    from minillm.sequence import log_softmax
 
     m = loaded_model("smollm2")
     ids = m.prompt_ids("The capital of France is")
@@ -223,7 +225,7 @@ def test_beam_search_finds_a_sequence_at_least_as_likely_as_greedy():
 
     def logprob(tokens):
         logits = m.logits(ids + tokens, start=len(ids) - 1)
-        return sum(float(_log_softmax(logits[i])[t]) for i, t in enumerate(tokens))
+        return sum(float(log_softmax(logits[i])[t]) for i, t in enumerate(tokens))
 
     tokens, score = beam_search(m, ids, 8, 4)
     assert len(tokens) == 8

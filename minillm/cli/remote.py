@@ -9,7 +9,7 @@ import urllib.request
 from typing import Iterator
 
 from ..errors import MinillmError
-from ..generate import Chunk, Timings
+from ..sequence import Chunk, Timings
 from ..sampling import SamplingParams
 
 

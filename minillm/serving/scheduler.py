@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import MinillmError
-from ..generate import Chunk, Session, StopMatcher, Timings, token_logprobs
+from ..generate import Session
+from ..sampling import SamplingParams
+from ..sequence import Chunk, Result, Sequence
 from .kv_pool import KVPool
-from ..sampling import Sampler, SamplingParams
 from ..speculative import (Speculation, SpeculationParams, check_params, check_same_vocabulary, draft_speculation,
                           make_speculation)
 
@@ -65,19 +66,17 @@ class Handle:
     def __init__(self, scheduler: "Scheduler", request: Request, prompt_ids: list[int], arrival: int):
         self.request = request
         self.prompt_ids = prompt_ids
-        self.generated: list[int] = []
+        # the engine's side: tokens, sampler, end of generation, detokenizer, stop strings, timings
+        self.sequence = Sequence(scheduler.tokenizer, prompt_ids, request.max_tokens, request.sampling,
+                                 request.stop, request.ignore_eos, request.logprobs, max_length=scheduler.n_ctx)
+        self.timings = self.sequence.timings
         self.arrival = arrival
-        self.finish_reason: str | None = None
-        self.timings = Timings()
+        self.finish_reason: str | None = None  # set as the last Chunk is handed to the client
         self.n_cached = 0             # prompt tokens found in a slot's cells (not evaluated again)
         self.n_preempted = 0
         self.first_step: int | None = None  # the scheduler step in which it first ran
         self.slot: "_Slot | None" = None
         self._scheduler = scheduler
-        self._sampler = Sampler(request.sampling)
-        self._decoder = scheduler.tokenizer.stream_decoder()
-        self._eog = set() if request.ignore_eos else scheduler.tokenizer.eog_ids
-        self._stops = StopMatcher(list(request.stop))
         self._chunks: deque[Chunk] = deque()
         self._error: BaseException | None = None
         self._cv = threading.Condition()
@@ -90,13 +89,17 @@ class Handle:
         self.notify = None            # called (from the scheduler's thread) after each new Chunk or error
 
     @property
+    def generated(self) -> list[int]:
+        return self.sequence.generated
+
+    @property
     def tokens(self) -> list[int]:
         """Prompt and generated tokens: what the slot must hold to go on (a new list)."""
-        return self.prompt_ids + self.generated
+        return list(self.sequence.tokens)
 
     @property
     def n_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.generated)
+        return len(self.sequence.tokens)
 
     @property
     def done(self) -> bool:
@@ -118,9 +121,7 @@ class Handle:
             if chunk.finish_reason is not None:
                 return
 
-    def result(self):
-        from ..model import Result
-
+    def result(self) -> Result:
         return Result.collect(iter(self))
 
     def poll(self) -> list[Chunk]:
@@ -164,31 +165,20 @@ class Handle:
         if self.notify is not None:
             self.notify()
 
-    def _emit(self, token: int, n_ctx: int, logprobs=None) -> bool:
-        """Stream a sampled token; True when the request is finished."""
-        now = time.perf_counter()
-        t = self.timings
-        if token in self._eog:
-            self._finish("stop", now)
-            return True
-        self.generated.append(token)
-        t.n_generated += 1
-        text, stopped = self._stops.push(self._decoder.feed(token))
-        t.generate_s = now - self._t_first
-        if stopped:
-            self._put(Chunk(text, token, "stop", t, logprobs))
-            return True
-        self._put(Chunk(text, token, None, t, logprobs))
-        if t.n_generated >= self.request.max_tokens or self.n_tokens >= n_ctx:
-            self._finish("length", now)
-            return True
-        return False
+    def _emit(self, token: int, row: np.ndarray) -> bool:
+        """Stream a chosen token (row: the logits it came from); True when the request is finished."""
+        self._timed(time.perf_counter())
+        for chunk in self.sequence.take(token, row):
+            self._put(chunk)
+        return self.sequence.done
 
     def _finish(self, reason: str, now: float) -> None:
-        text, _ = self._stops.push(self._decoder.flush())
+        self._timed(now)
+        self._put(self.sequence.finish(reason))
+
+    def _timed(self, now: float) -> None:
         if self._t_first:
             self.timings.generate_s = now - self._t_first
-        self._put(Chunk(text + self._stops.flush(), None, reason, self.timings))
 
 
 class _Slot:
@@ -570,16 +560,12 @@ class Scheduler:
     def _sample_rows(self, handle: Handle, rows: np.ndarray, guesses: list[int]) -> None:
         for i, row in enumerate(rows):
             guess = guesses[i] if i < len(guesses) else None
-            if guess is None:
-                token = handle._sampler(row, handle.tokens)
-            else:
-                token = handle._sampler.verify(row, handle.tokens, guess)
+            token = handle.sequence.choose(row, guess)
+            if guess is not None:
                 handle._speculation.judged(token == guess)
                 handle.timings.n_drafted = handle._speculation.n_drafted
                 handle.timings.n_accepted = handle._speculation.n_accepted
-            n_top = handle.request.logprobs
-            logprobs = None if n_top is None else token_logprobs(row, token, n_top)
-            if handle._emit(token, self.n_ctx, logprobs):
+            if handle._emit(token, row):
                 self._leave(handle)
                 return
             if token != guess:
