@@ -3,27 +3,11 @@ penalties -> top-k -> top-p -> min-p -> temperature -> draw (greedy when tempera
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from .kernels.cpu.ops import top_k_indices
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-
-    def as_dict(self) -> dict:
-        return asdict(self)
+from .params import SamplingParams
 
 
 class Sampler:

@@ -17,21 +17,13 @@ costs little more than plain decoding.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import MinillmError
+from .params import SpeculationParams
 
 PROBE_EVERY = 16  # when guessing does not pay, still guess one token this often, to notice a change
-
-
-@dataclass
-class SpeculationParams:
-    draft_max: int = 16     # tokens guessed a step, at most
-    draft_min: int = 0      # fewer guesses than this are not worth a pass: evaluate plainly
-    p_min: float = 0.75     # a draft model stops guessing below this probability of its best token
-    lookup_ngram: int = 3   # prompt lookup: the longest run of last tokens matched (down to 2)
 
 
 class PromptLookup:

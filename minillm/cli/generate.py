@@ -9,25 +9,31 @@ from typing import List, Optional
 
 import typer
 
+from ..params import SamplingParams, SpeculationParams
+
 
 def _err(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
+
+SAMPLING, SPECULATION = SamplingParams(), SpeculationParams()  # the defaults the options show
 
 # options shared by `generate` and `chat` (typer Option objects can serve several commands)
 MODEL = typer.Argument(..., help="Path to a .gguf model file.", show_default=False)
 MODEL_OR_SERVER = typer.Argument(None, help="Path to a .gguf model file (none with --server).", show_default=False)
 SERVER = typer.Option(None, "--server", help="URL of a running `minillm serve`: generate there, loading no model.")
 API_KEY = typer.Option(None, "--api-key", envvar="MINILLM_API_KEY", help="With --server: its API key.")
-TEMP = typer.Option(0.8, "--temp", min=0.0, max=100.0, help="Temperature; 0 is greedy.")
-TOP_K = typer.Option(40, "--top-k", min=0, help="Top-k (0: off).")
-TOP_P = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="Top-p (1: off).")
-MIN_P = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="Min-p (0: off).")
-REPEAT_PENALTY = typer.Option(1.0, "--repeat-penalty", min=0.0, help="Repetition penalty (1: off).")
-REPEAT_LAST_N = typer.Option(64, "--repeat-last-n", min=-1, help="Tokens the penalties look back (-1: all).")
-PRESENCE_PENALTY = typer.Option(0.0, "--presence-penalty", help="Presence penalty.")
-FREQUENCY_PENALTY = typer.Option(0.0, "--frequency-penalty", help="Frequency penalty.")
-SEED = typer.Option(None, "--seed", min=0, max=2**63 - 1, help="Random seed (default: random).")
+TEMP = typer.Option(SAMPLING.temperature, "--temp", min=0.0, max=100.0, help="Temperature; 0 is greedy.")
+TOP_K = typer.Option(SAMPLING.top_k, "--top-k", min=0, help="Top-k (0: off).")
+TOP_P = typer.Option(SAMPLING.top_p, "--top-p", min=0.0, max=1.0, help="Top-p (1: off).")
+MIN_P = typer.Option(SAMPLING.min_p, "--min-p", min=0.0, max=1.0, help="Min-p (0: off).")
+REPEAT_PENALTY = typer.Option(SAMPLING.repeat_penalty, "--repeat-penalty", min=0.0,
+                              help="Repetition penalty (1: off).")
+REPEAT_LAST_N = typer.Option(SAMPLING.repeat_last_n, "--repeat-last-n", min=-1,
+                             help="Tokens the penalties look back (-1: all).")
+PRESENCE_PENALTY = typer.Option(SAMPLING.presence_penalty, "--presence-penalty", help="Presence penalty.")
+FREQUENCY_PENALTY = typer.Option(SAMPLING.frequency_penalty, "--frequency-penalty", help="Frequency penalty.")
+SEED = typer.Option(SAMPLING.seed, "--seed", min=0, max=2**63 - 1, help="Random seed (default: random).")
 CTX = typer.Option(None, "-c", "--ctx", min=16, max=1 << 20, help="Context size (default: min(4096, the model's)).")
 THREADS = typer.Option(None, "-t", "--threads", min=1, max=1024, help="Threads (default: all cores).")
 SYSTEM = typer.Option(None, "--system", help="System message.")
@@ -38,15 +44,15 @@ DEVICE = typer.Option("auto", "--device", help="cpu, cuda, or auto (CUDA when nu
 CHAT_TEMPLATE = typer.Option(None, "--chat-template", help="Jinja chat template file to use instead of the model's.")
 DRAFT = typer.Option(None, "-md", "--draft", help="Speculative decoding: a smaller model of the same vocabulary "
                      "guesses tokens (output unchanged).", show_default=False)
-DRAFT_MAX = typer.Option(16, "--draft-max", min=1, max=256,
+DRAFT_MAX = typer.Option(SPECULATION.draft_max, "--draft-max", min=1, max=256,
                          help="Speculative decoding: tokens guessed a step, at most.")
-DRAFT_MIN = typer.Option(0, "--draft-min", min=0, max=256,
+DRAFT_MIN = typer.Option(SPECULATION.draft_min, "--draft-min", min=0, max=256,
                          help="Speculative decoding: fewer guesses than this are dropped.")
-DRAFT_P_MIN = typer.Option(0.75, "--draft-p-min", min=0.0, max=1.0,
+DRAFT_P_MIN = typer.Option(SPECULATION.p_min, "--draft-p-min", min=0.0, max=1.0,
                            help="Speculative decoding: the draft stops below this probability of its best token.")
 LOOKUP = typer.Option(False, "--lookup", help="Speculative decoding by prompt lookup: guesses copied from the "
                       "prompt and the text so far (output unchanged).")
-LOOKUP_NGRAM = typer.Option(3, "--lookup-ngram", min=1, max=16,
+LOOKUP_NGRAM = typer.Option(SPECULATION.lookup_ngram, "--lookup-ngram", min=1, max=16,
                             help="With --lookup: the longest run of last tokens matched (down to 2; 1: single tokens).")
 
 
