@@ -11,6 +11,7 @@ from typing import Optional
 
 import typer
 
+from .common import err
 from .generate import CACHE_TYPE_K, CACHE_TYPE_V
 from ..errors import MinillmError
 
@@ -24,15 +25,11 @@ app = typer.Typer(
 ModelArg = typer.Argument(..., help="Path to a .gguf model file.", show_default=False)
 
 
-def _err(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def compile_notice():
     """What the warm-up shows while the kernels compile (first run only): see compile_progress."""
     from .compile_progress import compile_progress
 
-    return compile_progress(_err)
+    return compile_progress(err)
 
 
 def load_model(path: Path, threads: Optional[int], device: str, cache_types: tuple[str, str] = ("f16", "f16")):
@@ -201,13 +198,13 @@ def _run_app() -> int:
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0
-        _err(str(exc.code))
+        err(str(exc.code))
         return 1
     except MinillmError as exc:
-        _err(f"error: {exc}")
+        err(f"error: {exc}")
         return 1
     except KeyboardInterrupt:
-        _err("interrupted")
+        err("interrupted")
         return 130
     except BrokenPipeError:
         sys.stderr.close()
@@ -257,7 +254,7 @@ def perplexity(
 
         result = run(m, text, n_ctx, progress, n_chunks=chunks, kld_base=kld_base)
     if kld_base is not None:
-        _err(f"saved the log-probabilities of {result.n_scored} positions to {kld_base}")
+        err(f"saved the log-probabilities of {result.n_scored} positions to {kld_base}")
     if as_json:
         print(json.dumps({"ppl": result.ppl, "n_ctx": n_ctx, "n_chunks": result.n_chunks,
                           "n_scored": result.n_scored, "chunk_ppl": result.chunk_ppl}))

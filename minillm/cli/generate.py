@@ -9,11 +9,8 @@ from typing import List, Optional
 
 import typer
 
+from .common import err
 from ..params import SamplingParams, SpeculationParams
-
-
-def _err(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 SAMPLING, SPECULATION = SamplingParams(), SpeculationParams()  # the defaults the options show
@@ -151,8 +148,8 @@ def _generate_on_server(server, api_key, prompt, n_predict, params, stop, ignore
         sys.stdout.flush()
     if verbose:
         t = last.timings
-        _err(f"prompt: {t.n_prompt} tokens; generated {t.n_generated} tokens; finish: {last.finish_reason}; "
-             f"seed {params.seed}; on {server}")
+        err(f"prompt: {t.n_prompt} tokens; generated {t.n_generated} tokens; finish: {last.finish_reason}; "
+            f"seed {params.seed}; on {server}")
 
 
 def register(app: typer.Typer) -> None:
@@ -286,6 +283,6 @@ def register(app: typer.Typer) -> None:
                 sys.stdout.write("\n")
                 sys.stdout.flush()
         if verbose:
-            _err(f"prompt: {len(ids)} tokens ({t.n_prompt} evaluated) at {t.prompt_tokens_per_s:.1f} tok/s; "
-                 f"generated {t.n_generated} tokens at {t.generate_tokens_per_s:.1f} tok/s; "
-                 f"finish: {last.finish_reason}; seed {seed}; load {m.load_seconds:.2f} s{guess_summary(t)}")
+            err(f"prompt: {len(ids)} tokens ({t.n_prompt} evaluated) at {t.prompt_tokens_per_s:.1f} tok/s; "
+                f"generated {t.n_generated} tokens at {t.generate_tokens_per_s:.1f} tok/s; "
+                f"finish: {last.finish_reason}; seed {seed}; load {m.load_seconds:.2f} s{guess_summary(t)}")

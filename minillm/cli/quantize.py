@@ -18,6 +18,7 @@ from typing import List, Optional
 
 import typer
 
+from .common import err
 from ..errors import MinillmError
 from ..quantize.ftypes import TENSOR_TYPES, parse_file_type, type_help
 
@@ -27,10 +28,6 @@ def register(app: typer.Typer) -> None:
     epilog = ("TYPE is one of (id, name, bits per weight of its main tensor type, llama.cpp's note):"
               "\n\n" + "\n\n".join(type_help().splitlines()))
     app.command("quantize", epilog=epilog)(quantize_command)
-
-
-def _err(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def _default_out(in_path: Path, type_name: str) -> Path:
@@ -126,10 +123,10 @@ def quantize_command(
             _report_eval(in_path, [out for _, out in jobs], texts[eval_text], eval_ctx, eval_chunks,
                          threads, as_json)
     except MinillmError as exc:
-        _err(f"error: {exc}")
+        err(f"error: {exc}")
         raise typer.Exit(1)
     except KeyboardInterrupt:
-        _err("interrupted: nothing was written")
+        err("interrupted: nothing was written")
         raise typer.Exit(130)
     finally:
         if in_main:
@@ -171,17 +168,17 @@ def _quantize_one(in_path: Path, out: Optional[Path], type_name: str, options: d
     from ..quantize import quantize
 
     name = parse_file_type(type_name).name
-    _err(f"planning {in_path} as {name}" if dry_run else f"quantizing {in_path} to {out} as {name}")
-    summary = quantize(in_path, out, type_name, dry_run=dry_run, progress=not dry_run, log=_err, **options)
+    err(f"planning {in_path} as {name}" if dry_run else f"quantizing {in_path} to {out} as {name}")
+    summary = quantize(in_path, out, type_name, dry_run=dry_run, progress=not dry_run, log=err, **options)
     if dry_run:
         print("\n".join(summary.plan_lines()), flush=True)
     if summary.n_fallback:
-        _err(f"warning: {summary.n_fallback} of {len(summary.tensors)} tensors needed a fallback type "
-             "(row length not divisible by the block size)")
+        err(f"warning: {summary.n_fallback} of {len(summary.tensors)} tensors needed a fallback type "
+            "(row length not divisible by the block size)")
     for line in summary.size_lines():
-        _err(line)
+        err(line)
     if not dry_run:
-        _err(f"wrote {out} ({summary.file_bytes / 2**20:.2f} MiB) in {summary.seconds:.2f} s")
+        err(f"wrote {out} ({summary.file_bytes / 2**20:.2f} MiB) in {summary.seconds:.2f} s")
 
 
 def _layers_to_prune(in_path: Path, spec: Optional[str], text: Optional[str], n_ctx: int, n_chunks: int,
@@ -200,7 +197,7 @@ def _layers_to_prune(in_path: Path, spec: Optional[str], text: Optional[str], n_
 
     from ..quality.evaluate import cheapest_layers, layer_importance
 
-    _err(f"measuring the cost of leaving out each layer of {in_path} ({n_chunks} chunks of {n_ctx} tokens)")
+    err(f"measuring the cost of leaving out each layer of {in_path} ({n_chunks} chunks of {n_ctx} tokens)")
     with tqdm(total=None, unit="layer", file=sys.stderr, leave=False) as bar:
         def progress(done, total):
             bar.total = total
@@ -208,11 +205,11 @@ def _layers_to_prune(in_path: Path, spec: Optional[str], text: Optional[str], n_
 
         costs = layer_importance(in_path, text, n_ctx, n_chunks, threads, progress)
     chosen = cheapest_layers(costs, n)
-    _err(f"{'layer':>5} {'KLD':>9} {'same top':>9} {'PPL':>10}")
+    err(f"{'layer':>5} {'KLD':>9} {'same top':>9} {'PPL':>10}")
     for c in sorted(costs, key=lambda c: c.kld):
         mark = "  <- pruned" if c.layer in chosen else ""
-        _err(f"{c.layer:>5} {c.kld:9.5f} {100 * c.same_top:8.2f}% {c.ppl:10.4f}{mark}")
-    _err(f"pruning layers {','.join(map(str, chosen))}")
+        err(f"{c.layer:>5} {c.kld:9.5f} {100 * c.same_top:8.2f}% {c.ppl:10.4f}{mark}")
+    err(f"pruning layers {','.join(map(str, chosen))}")
     return chosen
 
 

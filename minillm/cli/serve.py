@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import gc
 import socket
-import sys
 import threading
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from .common import err
 from .generate import CACHE_TYPE_K, CACHE_TYPE_V, CTX, DRAFT, DRAFT_MAX, DRAFT_MIN, DRAFT_P_MIN, MODEL, THREADS
 from ..errors import MinillmError
-
-
-def _err(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -86,14 +82,14 @@ def register(app: typer.Typer) -> None:
         server = Server(config, state)
         bound_host, bound_port = sock.getsockname()[:2]
         url = f"http://{bound_host if ':' not in bound_host else f'[{bound_host}]'}:{bound_port}"
-        _err(f"minillm serve: {url} (loading {model.name}; /health answers 503 until it is ready)")
+        err(f"minillm serve: {url} (loading {model.name}; /health answers 503 until it is ready)")
 
         def ready(state) -> None:
             s = state.scheduler
-            _err(f"minillm serve: ready: {state.model_name}, {len(s.slots)} sequences at once, context {s.n_ctx}, "
-                 f"{state.model.threads} threads, KV cache {s.pool.nbytes / 2**20:.1f} MiB "
-                 f"({'/'.join(state.model.cache_types)}, {s.pool.n_cells} cells)"
-                 + (f", draft {s.draft.path.name}" if s.draft is not None else ""))
+            err(f"minillm serve: ready: {state.model_name}, {len(s.slots)} sequences at once, context {s.n_ctx}, "
+                f"{state.model.threads} threads, KV cache {s.pool.nbytes / 2**20:.1f} MiB "
+                f"({'/'.join(state.model.cache_types)}, {s.pool.n_cells} cells)"
+                + (f", draft {s.draft.path.name}" if s.draft is not None else ""))
 
         def failed(exc) -> None:
             server.should_exit = True
@@ -108,5 +104,5 @@ def register(app: typer.Typer) -> None:
             raise state.error
         if state.error is not None:
             raise MinillmError(f"cannot load {model}: {type(state.error).__name__}: {state.error}")
-        _err("minillm serve: stopped")
+        err("minillm serve: stopped")
 
