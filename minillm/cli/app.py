@@ -32,15 +32,17 @@ def compile_notice():
     return compile_progress(err)
 
 
-def load_model(path: Path, threads: Optional[int], device: str, cache_types: tuple[str, str] = ("f16", "f16")):
+def load_model(path: Path, threads: Optional[int], device: str, cache_types: Optional[tuple[str, str]] = None):
     """A command's start: the model loaded and warmed up, its tokenizer built. Python's cycle
     collector is off until then (main): starting creates ~10^5 long-lived objects (Numba's
     registries, the vocabulary) and each full collection over them cost 20-50 ms of a cold
-    start. They are then frozen out of later collections, and collection resumes."""
+    start. They are then frozen out of later collections, and collection resumes. cache_types:
+    (K, V) as -ctk/-ctv name them; None: both F16."""
+    from ..kv_cache import F16_CACHE
     from ..model import Model
 
     try:
-        m = Model(path, threads=threads, device=device, cache_types=cache_types)
+        m = Model(path, threads=threads, device=device, cache_types=cache_types or F16_CACHE)
         m.warm_up(on_compile=compile_notice)
         m.tokenizer  # noqa: B018 (built while the collector is off)
     finally:

@@ -7,11 +7,12 @@ import time
 
 import numpy as np
 
+from ..kv_cache import F16_CACHE
 from ..model import Model
 
 
 def run_bench(path, n_prompt: int, n_gen: int, reps: int, threads, on_compile=None, device: str = "cpu",
-              cache_types=("f16", "f16"), depth: int = 0) -> dict:
+              cache_types=F16_CACHE, depth: int = 0) -> dict:
     t0 = time.perf_counter()
     model = Model(path, threads=threads, device=device, cache_types=cache_types)
     load_s = time.perf_counter() - t0

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from ..errors import MinillmError
+from ..kv_cache import F16_CACHE
 from ..sampling import SamplingParams
 from .metrics import Metrics
 from .protocol import Answer, ApiError, parse_completion, parse_json, sse
@@ -41,7 +42,7 @@ class Settings:
     api_key: str | None = None
     scheduling: str = "priority"
     threads: int | None = None
-    cache_types: tuple[str, str] = ("f16", "f16")   # -ctk, -ctv
+    cache_types: tuple[str, str] = F16_CACHE       # -ctk, -ctv
     kv_memory: int | None = None                   # bytes of KV pool (None: every slot's context)
     draft: Path | None = None                      # -md: a draft model for speculative decoding
     speculation: dict | None = None                # SpeculationParams fields (--draft-max ...)
