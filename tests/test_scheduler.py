@@ -1,5 +1,6 @@
-"""The batching scheduler on the real models: batch invariance, priorities and preemption,
-cancellation, prefix reuse, and `generate --batch-file`."""
+"""The batching scheduler on the real models: batch invariance, parity with llama.cpp, a
+preempted or cancelled request's tokens, prefix reuse, and `generate --batch-file`. Its logic
+alone (admission, budgets, preemption) is tested fast on a scripted model: test_scheduler_logic.py."""
 import json
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from minillm.serving.batch_input import make_request
 from minillm.errors import MinillmError
 from minillm.serving.kv_pool import KVPool
 from minillm.sampling import SamplingParams
-from minillm.serving.scheduler import SETTLED_TOKENS, STREAM_SHARE, Request
+from minillm.serving.scheduler import Request
 
 pytestmark = pytest.mark.slow
 
@@ -105,23 +106,6 @@ def test_preempted_low_priority_request_finishes_as_alone():
         assert h.result().tokens == alone(m, r).tokens
 
 
-def test_preemption_order_and_fcfs():
-    m = loaded_model("smollm2")
-    greedy = SamplingParams(temperature=0)
-    scheduler = m.scheduler(parallel=2)
-    reqs = [Request(f"Count to {k}:", 6, greedy, priority=p, ignore_eos=True, id=k)
-            for k, p in enumerate([3, 3, 1, 0, 1])]
-    handles = [scheduler.submit(r) for r in reqs]
-    scheduler.run(handles)
-    starts = sorted(handles, key=lambda h: (h.first_step, h.request.priority))
-    # priority 0 first, then the two of priority 1 in arrival order, then the 3s in arrival order
-    assert [h.request.id for h in starts] == [3, 2, 4, 0, 1]
-    fcfs = m.scheduler(parallel=2, policy="fcfs")
-    handles = [fcfs.submit(r) for r in reqs]
-    fcfs.run(handles)
-    assert [h.request.id for h in sorted(handles, key=lambda h: (h.first_step, h.arrival))] == [0, 1, 2, 3, 4]
-
-
 def test_cancel_frees_the_slot_and_prefix_reuse_counts_new_tokens():
     m = loaded_model("smollm2")
     greedy = SamplingParams(temperature=0)
@@ -150,30 +134,6 @@ def test_cancel_frees_the_slot_and_prefix_reuse_counts_new_tokens():
     with pytest.raises(MinillmError, match=r"the prompt is \d+ tokens, \d+ more than the context of 64 allows"):
         m.scheduler(parallel=1, n_ctx=64).submit(Request("word " * 100, 4))
     assert scheduler.stats()["running"] == 0
-
-
-def test_prompts_are_read_whole_beside_young_streams_and_paced_beside_settled_ones():
-    """A burst of requests read together (the first one's stream has just begun), while a
-    stream that has streamed SETTLED_TOKENS tokens gets STREAM_SHARE prompt rows a step beside it."""
-    m = loaded_model("smollm2")
-    greedy = SamplingParams(temperature=0)
-    prompt = list(range(1000, 1100))  # 100 token ids
-
-    def rows_of_next_step(scheduler):
-        before = scheduler.stats()["evaluated"]
-        scheduler.step()
-        return scheduler.stats()["evaluated"] - before
-
-    scheduler = m.scheduler(parallel=2)
-    stream = scheduler.submit(Request("Tell me about the sea.", 64, greedy, ignore_eos=True))
-    rows_of_next_step(scheduler)  # its prompt; its first token
-    scheduler.submit(Request(prompt, 4, greedy, ignore_eos=True))
-    assert rows_of_next_step(scheduler) == 1 + len(prompt)  # young: the new prompt whole
-    while stream.timings.n_generated < SETTLED_TOKENS:
-        scheduler.step()
-    scheduler.submit(Request(prompt[::-1], 4, greedy, ignore_eos=True))
-    assert [rows_of_next_step(scheduler) for _ in range(3)] == [1 + STREAM_SHARE] * 3
-    stream.cancel()
 
 
 def test_memory_pressure_preempts_instead_of_failing():

@@ -75,13 +75,19 @@ class LiveServer:
         _, _, text = self.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
         return {k: float(v) for k, v in re.findall(r"^(minillm_\w+) (\S+)$", text, re.M)}
 
-    def wait_idle(self, timeout: float = 60) -> dict:
+    def wait_for(self, condition, what: str, timeout: float = 60) -> dict:
+        """The metrics once condition(metrics) holds; fails after timeout seconds."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            if (m["minillm_requests_running"], m["minillm_requests_queued"]) == (0, 0) or time.monotonic() > deadline:
+            if condition(m):
                 return m
-            time.sleep(0.05)
+            assert time.monotonic() < deadline, f"{what}: not within {timeout} s ({m})"
+            time.sleep(0.02)
+
+    def wait_idle(self, timeout: float = 60) -> dict:
+        return self.wait_for(lambda m: m["minillm_requests_running"] == m["minillm_requests_queued"] == 0,
+                             "no request running or queued", timeout)
 
     def stop(self, timeout: float = 10) -> int:
         if self.proc.poll() is None:
@@ -333,14 +339,14 @@ def test_full_queue_and_a_client_that_leaves(narrow):
     client = narrow.client(key="none", max_retries=0)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         queued = pool.submit(client.completions.create, model="x", prompt="Hello", max_tokens=4, temperature=0)
-        while narrow.metrics()["minillm_requests_queued"] < 1:
-            time.sleep(0.02)
+        narrow.wait_for(lambda m: m["minillm_requests_queued"] >= 1, "B queued")
         status, headers, body = narrow.request("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
         assert status == 503 and headers["retry-after"] == "1" and "queue is full" in body["error"]["message"]
-        # the official client retries a 503 after Retry-After; meanwhile A's client leaves
+        # the official client retries a 503 after Retry-After; once it has met the full queue, A's client leaves
+        rejected = narrow.metrics()["minillm_requests_rejected_total"]
         retried = pool.submit(narrow.client(key="none", max_retries=5).completions.create, model="x", prompt="Hi",
                               max_tokens=2, temperature=0)
-        time.sleep(0.3)
+        narrow.wait_for(lambda m: m["minillm_requests_rejected_total"] > rejected, "the retried request refused once")
         conn.close()
         assert queued.result(timeout=60).choices[0].text
         assert retried.result(timeout=60).usage.completion_tokens == 2
@@ -378,8 +384,7 @@ def test_sigterm_ends_streams_and_exits_cleanly():
     threads = [threading.Thread(target=stream) for _ in range(3)]
     for t in threads:
         t.start()
-    while live.metrics()["minillm_generated_tokens_total"] < 6:
-        time.sleep(0.02)
+    live.wait_for(lambda m: m["minillm_generated_tokens_total"] >= 6, "the streams under way")
     t0 = time.monotonic()
     assert live.stop(timeout=10) == 0
     assert time.monotonic() - t0 < 5
