@@ -8,10 +8,11 @@ from typing import Optional
 import typer
 
 from .generate import (
-    API_KEY, CACHE_TYPE_K, CACHE_TYPE_V, CHAT_TEMPLATE, CTX, DEVICE, DRAFT, DRAFT_MAX, DRAFT_MIN, DRAFT_P_MIN, FREQUENCY_PENALTY, LOOKUP,
-    LOOKUP_NGRAM, MIN_P, MODEL_OR_SERVER, PRESENCE_PENALTY, REPEAT_LAST_N, REPEAT_PENALTY, SEED, SERVER, SYSTEM, TEMP,
-    THREADS, TOP_K, TOP_P, need_model, sampling_options, speculation_for,
+    API_KEY, CACHE_TYPE_K, CACHE_TYPE_V, CHAT_TEMPLATE, CTX, DEVICE, DRAFT, DRAFT_MAX, DRAFT_MIN, DRAFT_P_MIN,
+    FREQUENCY_PENALTY, LOOKUP, LOOKUP_NGRAM, MIN_P, MODEL_OR_SERVER, PRESENCE_PENALTY, REPEAT_LAST_N, REPEAT_PENALTY,
+    SEED, SERVER, SYSTEM, TEMP, THREADS, TOP_K, TOP_P, Guessing, need_model, sampling_params,
 )
+from ..params import SpeculationParams
 
 
 def register(app: typer.Typer) -> None:
@@ -48,22 +49,21 @@ def register(app: typer.Typer) -> None:
         """Chat with a model in the terminal (loaded here, or running in `minillm serve`)."""
         from .repl import Chat, LocalReplies, RemoteReplies, repl
         from .app import load_model
-        from ..sampling import SamplingParams
 
         need_model(model, server, {"--ctx": ctx is not None, "--threads": threads is not None,
                                    "--device": device != "auto", "--chat-template": chat_template is not None,
                                    "--draft": draft is not None, "--lookup": lookup,
                                    "--cache-type-k": cache_type_k != "f16", "--cache-type-v": cache_type_v != "f16"})
-        params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
-                                                   presence_penalty, frequency_penalty, seed))
+        params = sampling_params(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty,
+                                 frequency_penalty, seed)
         if server is not None:
             from .remote import ServerClient
 
             replies = RemoteReplies(ServerClient(server, api_key))
         else:
             replies = LocalReplies(load_model(model, threads, device, (cache_type_k, cache_type_v)), ctx, chat_template)
-            replies.speculation = speculation_for(replies.model, replies.session.n_ctx, draft, lookup, draft_max,
-                                                  draft_min, draft_p_min, lookup_ngram, threads)
+            guessing = Guessing(draft, lookup, SpeculationParams(draft_max, draft_min, draft_p_min, lookup_ngram))
+            replies.speculation = guessing.speculation_for(replies.model, replies.session.n_ctx, threads)
         session = Chat(replies, params, n_predict=n_predict, system=system, verbose=verbose)
         if not sys.stdin.isatty():
             text = sys.stdin.read().strip()

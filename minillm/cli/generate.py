@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import List, Optional
 
@@ -53,11 +55,45 @@ LOOKUP_NGRAM = typer.Option(SPECULATION.lookup_ngram, "--lookup-ngram", min=1, m
                             help="With --lookup: the longest run of last tokens matched (down to 2; 1: single tokens).")
 
 
-def sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty,
-                     frequency_penalty, seed) -> dict:
-    return dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-                repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty, seed=seed)
+def sampling_params(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty,
+                    frequency_penalty, seed) -> SamplingParams:
+    return SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                          repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+                          frequency_penalty=frequency_penalty, seed=seed)
+
+
+@dataclass
+class Ask:
+    """What a generation asks for in every mode: -n, the sampling options, --stop, --ignore-eos."""
+    n_predict: int
+    sampling: SamplingParams
+    stop: List[str]
+    ignore_eos: bool
+
+
+@dataclass
+class Guessing:
+    """Speculative decoding as the options ask for it: a draft model (-md) or prompt lookup
+    (--lookup), guessing as params say."""
+    draft: Optional[Path]
+    lookup: bool
+    params: SpeculationParams
+
+    def load_draft(self, threads: Optional[int]):
+        """The draft Model, loaded (None without -md)."""
+        from .app import load_model
+
+        return load_model(self.draft, threads, "cpu") if self.draft is not None else None
+
+    def speculation_for(self, model, n_ctx: int, threads: Optional[int]):
+        """The Speculation for generations on model (None for plain decoding); loads the draft."""
+        from ..speculative import make_speculation
+
+        speculation = make_speculation(model, n_ctx, self.load_draft(threads), self.lookup, self.params)
+        if speculation is not None and not speculation.active:
+            err(f"notice: the draft is {speculation.guess_cost:.2f} of the model's size, too costly a guess to "
+                "pay: decoding without it")
+        return speculation
 
 
 def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
@@ -77,31 +113,10 @@ def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
     return sys.stdin.read()
 
 
-def _print_beam_search(model, ids, n_predict, beams, ctx, ignore_eos, as_json) -> None:
-    from ..generate import beam_search
-
-    tokens, logp = beam_search(model, ids, n_predict, beams, n_ctx=ctx, ignore_eos=ignore_eos)
-    text = model.detokenize(tokens)
-    if as_json:
-        print(json.dumps({"text": text, "tokens": tokens, "logprob": logp, "beams": beams,
-                          "prompt_tokens": len(ids), "generated_tokens": len(tokens)}, ensure_ascii=False))
-    elif text:
-        print(text)
-
-
-def speculation_for(model, n_ctx: int, draft: Optional[Path], lookup: bool, draft_max: int, draft_min: int,
-                    draft_p_min: float, lookup_ngram: int, threads: Optional[int]):
-    """The Speculation the flags ask for (None for plain decoding); loads the draft model."""
-    from .app import load_model
-    from ..speculative import SpeculationParams, make_speculation
-
-    params = SpeculationParams(draft_max, draft_min, draft_p_min, lookup_ngram)
-    draft_model = load_model(draft, threads, "cpu") if draft is not None else None
-    speculation = make_speculation(model, n_ctx, draft_model, lookup, params)
-    if speculation is not None and not speculation.active:
-        print(f"notice: the draft is {speculation.guess_cost:.2f} of the model's size, too costly a guess to pay: "
-              "decoding without it", file=sys.stderr)
-    return speculation
+def chat_messages(text: str, system: Optional[str]) -> list[dict]:
+    """text as one user message, after the system message if there is one."""
+    return ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": text}]
 
 
 def need_model(model: Optional[Path], server: Optional[str], local_only: dict) -> None:
@@ -118,14 +133,52 @@ def need_model(model: Optional[Path], server: Optional[str], local_only: dict) -
         raise typer.BadParameter(f"{given[0]} does not apply with --server (the server has its own settings)")
 
 
-def _generate_on_server(server, api_key, prompt, n_predict, params, stop, ignore_eos, as_json, verbose) -> None:
+def _check_modes(prompt, file, beams: int, truncate: bool, batch_file, guessing: Guessing) -> None:
+    """The options that do not go together: speculation with beams, or with both guessers;
+    --batch-file with a prompt or the options of one prompt."""
+    if (guessing.draft is not None or guessing.lookup) and beams > 1:
+        raise typer.BadParameter("--draft and --lookup apply to sampling and greedy generation, not --beams")
+    if guessing.draft is not None and guessing.lookup:
+        raise typer.BadParameter("--draft and --lookup: choose one")
+    if batch_file is not None and (prompt is not None or file is not None or beams > 1 or truncate):
+        raise typer.BadParameter("--batch-file takes its prompts from the file: no -p, -f, --beams or --truncate")
+
+
+def _write_stream(chunks):
+    """Write each chunk's text to stdout as it comes, and a newline after any text; the last chunk."""
+    last, wrote = None, False
+    for last in chunks:
+        if last.text:
+            sys.stdout.write(last.text)
+            sys.stdout.flush()
+            wrote = True
+    if wrote:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return last
+
+
+def _generate_batch_file(model, batch_file: Path, parallel: int, ctx: Optional[int], batch: int, ask: Ask,
+                         guessing: Guessing, threads: Optional[int], as_messages) -> int:
+    """--batch-file: every line's request through the scheduler on the loaded model; the exit
+    status. as_messages: makes a line's prompt text into chat messages (None: sent as text)."""
+    from .batch import run_batch_file
+
+    defaults = dict(max_tokens=ask.n_predict, sampling=ask.sampling, stop=ask.stop, ignore_eos=ask.ignore_eos,
+                    lookup=guessing.lookup, draft=guessing.draft is not None)
+    return run_batch_file(model, batch_file, parallel, ctx, batch, defaults, as_messages,
+                          guessing.load_draft(threads), asdict(guessing.params))
+
+
+def _generate_on_server(server: str, api_key: Optional[str], prompt, ask: Ask, as_json: bool, verbose: bool) -> None:
     """generate's output contract, with the work done by a running server."""
     from .remote import ServerClient, request_body
 
     client = ServerClient(server, api_key)
+    params = ask.sampling
     if as_json:
         chat = not isinstance(prompt, str)
-        body = dict(request_body(prompt, n_predict, params, stop, ignore_eos), return_tokens=True)
+        body = dict(request_body(prompt, ask.n_predict, params, ask.stop, ask.ignore_eos), return_tokens=True)
         answer = client.complete("/v1/chat/completions" if chat else "/v1/completions", body)
         choice, usage, timings = answer["choices"][0], answer["usage"], answer.get("timings", {})
         print(json.dumps({
@@ -137,19 +190,64 @@ def _generate_on_server(server, api_key, prompt, n_predict, params, stop, ignore
             "generate_tokens_per_s": round(timings.get("predicted_per_second", 0.0), 2), "load_s": 0.0,
         }, ensure_ascii=False))
         return
-    last, wrote = None, False
-    for last in client.chunks(prompt, n_predict, params, stop, ignore_eos):
-        if last.text:
-            sys.stdout.write(last.text)
-            sys.stdout.flush()
-            wrote = True
-    if wrote:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+    last = _write_stream(client.chunks(prompt, ask.n_predict, params, ask.stop, ask.ignore_eos))
     if verbose:
         t = last.timings
         err(f"prompt: {t.n_prompt} tokens; generated {t.n_generated} tokens; finish: {last.finish_reason}; "
             f"seed {params.seed}; on {server}")
+
+
+def _print_beam_search(model, ids: list[int], ask: Ask, beams: int, ctx: Optional[int], as_json: bool) -> None:
+    from ..generate import beam_search
+
+    tokens, logp = beam_search(model, ids, ask.n_predict, beams, n_ctx=ctx, ignore_eos=ask.ignore_eos)
+    text = model.detokenize(tokens)
+    if as_json:
+        print(json.dumps({"text": text, "tokens": tokens, "logprob": logp, "beams": beams,
+                          "prompt_tokens": len(ids), "generated_tokens": len(tokens)}, ensure_ascii=False))
+    elif text:
+        print(text)
+
+
+def _generate_here(model, ids: list[int], ask: Ask, ctx: Optional[int], truncate: bool, guessing: Guessing,
+                   threads: Optional[int], as_json: bool, verbose: bool) -> None:
+    """Generation on the loaded model, sampled or greedy: streamed text, or one JSON object."""
+    from ..generate import Session
+    from ..speculative import guess_summary
+
+    session = Session(model, n_ctx=ctx)
+    speculation = guessing.speculation_for(model, session.n_ctx, threads)
+    chunks = session.generate(ids, ask.n_predict, ask.sampling, stop=ask.stop, truncate=truncate,
+                              ignore_eos=ask.ignore_eos, speculation=speculation)
+    if as_json:
+        last = _print_json(model, ids, chunks, ask.sampling.seed, speculation is not None)
+    else:
+        last = _write_stream(chunks)
+    if verbose:
+        t = last.timings
+        err(f"prompt: {len(ids)} tokens ({t.n_prompt} evaluated) at {t.prompt_tokens_per_s:.1f} tok/s; "
+            f"generated {t.n_generated} tokens at {t.generate_tokens_per_s:.1f} tok/s; "
+            f"finish: {last.finish_reason}; seed {ask.sampling.seed}; load {model.load_seconds:.2f} s"
+            f"{guess_summary(t)}")
+
+
+def _print_json(model, ids: list[int], chunks, seed: int, speculating: bool):
+    """--json: the whole generation as one object once it ends; the last chunk."""
+    pieces, tokens, last = [], [], None
+    for last in chunks:
+        if last.token is not None:
+            tokens.append(last.token)
+        pieces.append(last.text)
+    t = last.timings
+    print(json.dumps({
+        "text": "".join(pieces), "finish_reason": last.finish_reason, "seed": seed,
+        "prompt_tokens": len(ids), "generated_tokens": t.n_generated, "tokens": tokens,
+        "prompt_tokens_per_s": round(t.prompt_tokens_per_s, 2),
+        "generate_tokens_per_s": round(t.generate_tokens_per_s, 2),
+        "load_s": round(model.load_seconds, 3),
+        **({"drafted_tokens": t.n_drafted, "accepted_tokens": t.n_accepted} if speculating else {}),
+    }, ensure_ascii=False))
+    return last
 
 
 def register(app: typer.Typer) -> None:
@@ -201,88 +299,33 @@ def register(app: typer.Typer) -> None:
         import random
 
         from .app import load_model
-        from ..generate import Session
-        from ..sampling import SamplingParams
-        from ..speculative import guess_summary
 
         need_model(model, server, {"--ctx": ctx is not None, "--threads": threads is not None,
                                    "--device": device != "auto", "--chat-template": chat_template is not None,
                                    "--truncate": truncate, "--beams": beams > 1, "--batch-file": batch_file is not None,
                                    "--draft": draft is not None, "--lookup": lookup,
                                    "--cache-type-k": cache_type_k != "f16", "--cache-type-v": cache_type_v != "f16"})
+        guessing = Guessing(draft, lookup, SpeculationParams(draft_max, draft_min, draft_p_min, lookup_ngram))
+        _check_modes(prompt, file, beams, truncate, batch_file, guessing)
+        ask = Ask(n_predict, sampling_params(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
+                                             presence_penalty, frequency_penalty, seed), stop, ignore_eos)
         cache_types = (cache_type_k, cache_type_v)
-        if (draft is not None or lookup) and beams > 1:
-            raise typer.BadParameter("--draft and --lookup apply to sampling and greedy generation, not --beams")
-        if draft is not None and lookup:
-            raise typer.BadParameter("--draft and --lookup: choose one")
-
-        if batch_file is not None:
-            if prompt is not None or file is not None or beams > 1 or truncate:
-                raise typer.BadParameter("--batch-file takes its prompts from the file: no -p, -f, --beams "
-                                         "or --truncate")
-            params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
-                                                       presence_penalty, frequency_penalty, seed))
+        if batch_file is not None:  # each request without a seed draws its own
             m = load_model(model, threads, "cpu" if device == "auto" else device, cache_types)
-            chat_messages = None
-            if chat or system is not None:
-                def chat_messages(text):
-                    return ([{"role": "system", "content": system}] if system is not None else []) + [
-                        {"role": "user", "content": text}]
-            from .batch import run_batch_file
-
-            defaults = dict(max_tokens=n_predict, sampling=params, stop=stop, ignore_eos=ignore_eos, lookup=lookup,
-                            draft=draft is not None)
-            draft_model = load_model(draft, threads, "cpu") if draft is not None else None
-            speculation = dict(draft_max=draft_max, draft_min=draft_min, p_min=draft_p_min, lookup_ngram=lookup_ngram)
-            raise typer.Exit(run_batch_file(m, batch_file, parallel, ctx, batch, defaults, chat_messages,
-                                            draft_model, speculation))
-
+            as_messages = partial(chat_messages, system=system) if chat or system is not None else None
+            raise typer.Exit(_generate_batch_file(m, batch_file, parallel, ctx, batch, ask, guessing, threads,
+                                                  as_messages))
         text = read_prompt(prompt, file)
-        seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
-        params = SamplingParams(**sampling_options(temp, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
-                                                   presence_penalty, frequency_penalty, seed))
-        messages = None
-        if chat or system is not None or chat_template is not None:
-            messages = ([{"role": "system", "content": system}] if system is not None else [])
-            messages.append({"role": "user", "content": text})
+        if ask.sampling.seed is None:  # drawn here, so that the output can name it
+            ask.sampling.seed = random.SystemRandom().randrange(2**31)
+        as_chat = chat or system is not None or chat_template is not None
+        prompt_or_messages = chat_messages(text, system) if as_chat else text
         if server is not None:
-            _generate_on_server(server, api_key, messages or text, n_predict, params, stop, ignore_eos, as_json,
-                                verbose)
+            _generate_on_server(server, api_key, prompt_or_messages, ask, as_json, verbose)
             return
         m = load_model(model, threads, device, cache_types)
-        ids = m.prompt_ids(messages or text, template_path=chat_template)
+        ids = m.prompt_ids(prompt_or_messages, template_path=chat_template)
         if beams > 1:
-            _print_beam_search(m, ids, n_predict, beams, ctx, ignore_eos, as_json)
-            return
-        session = Session(m, n_ctx=ctx)
-        speculation = speculation_for(m, session.n_ctx, draft, lookup, draft_max, draft_min, draft_p_min,
-                                      lookup_ngram, threads)
-        pieces, tokens, last, wrote = [], [], None, False
-        for last in session.generate(ids, n_predict, params, stop=stop, truncate=truncate,
-                                     ignore_eos=ignore_eos, speculation=speculation):
-            if last.token is not None:
-                tokens.append(last.token)
-            if as_json:
-                pieces.append(last.text)
-            elif last.text:
-                sys.stdout.write(last.text)
-                sys.stdout.flush()
-                wrote = True
-        t = last.timings
-        if as_json:
-            print(json.dumps({
-                "text": "".join(pieces), "finish_reason": last.finish_reason, "seed": seed,
-                "prompt_tokens": len(ids), "generated_tokens": t.n_generated, "tokens": tokens,
-                "prompt_tokens_per_s": round(t.prompt_tokens_per_s, 2),
-                "generate_tokens_per_s": round(t.generate_tokens_per_s, 2),
-                "load_s": round(m.load_seconds, 3),
-                **({"drafted_tokens": t.n_drafted, "accepted_tokens": t.n_accepted} if speculation else {}),
-            }, ensure_ascii=False))
+            _print_beam_search(m, ids, ask, beams, ctx, as_json)
         else:
-            if wrote:
-                sys.stdout.write("\n")
-                sys.stdout.flush()
-        if verbose:
-            err(f"prompt: {len(ids)} tokens ({t.n_prompt} evaluated) at {t.prompt_tokens_per_s:.1f} tok/s; "
-                f"generated {t.n_generated} tokens at {t.generate_tokens_per_s:.1f} tok/s; "
-                f"finish: {last.finish_reason}; seed {seed}; load {m.load_seconds:.2f} s{guess_summary(t)}")
+            _generate_here(m, ids, ask, ctx, truncate, guessing, threads, as_json, verbose)
