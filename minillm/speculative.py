@@ -196,6 +196,16 @@ class Speculation:
         self.since_guess = 0
         self.run = 0  # guesses of the current pass judged so far
 
+    def use_session(self, session) -> None:
+        """A draft guesser decodes in this (generate.Session of the draft model) from now on:
+        the batching scheduler lends each slot's own."""
+        self.guesser.session = session
+
+    def follow(self, tokens: list[int]) -> None:
+        """The sequence has evaluated up to tokens (a prompt chunk): a draft reads them too."""
+        if self.active:
+            self.guesser.follow(tokens)
+
     def guesses(self, history: list[int], room: int) -> list[int]:
         """Tokens to evaluate after history's last one, at most room."""
         cls = self.guesser.classify(history) if room > 0 else None

@@ -97,7 +97,7 @@ def test_preempted_low_priority_request_finishes_as_alone():
     assert len(h_low.generated) >= 2
     h_highs = [scheduler.submit(r) for r in highs]
     scheduler.step()
-    assert h_low.n_preempted == 1 and h_low.slot is None
+    assert h_low.n_preempted == 1 and not h_low.running
     finished = []
     scheduler.run([h_low, *h_highs], on_finish=finished.append)
     assert finished == [*h_highs, h_low]  # the high-priority requests ran first, in arrival order

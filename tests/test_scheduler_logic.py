@@ -37,7 +37,7 @@ def test_a_better_request_preempts_and_the_preempted_one_resumes_where_it_was():
     assert len(low.generated) == 4
     highs = [scheduler.submit(request([30 + k], 3, priority=0)) for k in range(3)]
     scheduler.step()
-    assert low.n_preempted == 1 and low.slot is None
+    assert low.n_preempted == 1 and not low.running
     finished = []
     scheduler.run([low, *highs], on_finish=finished.append)
     assert finished == [*highs, low]

@@ -328,7 +328,7 @@ def test_scheduler_draft_requests_give_plain_tokens(name, requantized, monkeypat
     assert 1 <= len(sessions) <= 2  # one per slot at most, not one per request
     assert len(chunks) >= 3 and min(chunks) <= 16  # prompts read in chunks of the step's 16 rows
     last = handles[-1]
-    assert last.slot is None and sessions  # the draft read its prompt, chunk by chunk, then its tokens
+    assert not last.running and sessions  # the draft read its prompt, chunk by chunk, then its tokens
     held = next(s for s in scheduler.slots if s.draft_session is not None and s.tokens[:5] == last.prompt_ids[:5])
     assert held.draft_session.tokens[:len(last.prompt_ids)] == last.prompt_ids
     REPORT.append(f"{name}: scheduler requests with a draft identical to plain; {accepted}/{drafted} guesses accepted")

@@ -60,58 +60,58 @@ class Request:
 
 
 class Handle:
-    """A submitted request. Iterate it for its Chunks (as Model.generate(stream=True) yields
-    them; the last has a finish_reason), or call result(); cancel() ends it at the next step."""
+    """A submitted request as its caller sees it. Iterate it for its Chunks (as
+    Model.generate(stream=True) yields them; the last has a finish_reason), or call result();
+    cancel() ends it at the next step. The scheduler hands it Chunks (deliver) or an error (fail)."""
 
-    def __init__(self, scheduler: "Scheduler", request: Request, prompt_ids: list[int], arrival: int):
-        self.request = request
-        self.prompt_ids = prompt_ids
-        # the engine's side: tokens, sampler, end of generation, detokenizer, stop strings, timings
-        self.sequence = Sequence(scheduler.tokenizer, prompt_ids, request.max_tokens, request.sampling,
-                                 request.stop, request.ignore_eos, request.logprobs, max_length=scheduler.n_ctx)
-        self.timings = self.sequence.timings
-        self.arrival = arrival
-        self.finish_reason: str | None = None  # set as the last Chunk is handed to the client
-        self.n_cached = 0             # prompt tokens found in a slot's cells (not evaluated again)
-        self.n_preempted = 0
-        self.first_step: int | None = None  # the scheduler step in which it first ran
-        self.slot: "_Slot | None" = None
+    def __init__(self, scheduler: "Scheduler", job: "_Job"):
+        self.request = job.request
+        self.prompt_ids = job.prompt_ids
+        self.arrival = job.arrival
+        self.finish_reason: str | None = None  # set as the last Chunk is delivered
+        self.notify = None  # called (from the scheduler's thread) after each new Chunk or error
+        self._job = job
         self._scheduler = scheduler
         self._chunks: deque[Chunk] = deque()
         self._error: BaseException | None = None
         self._cv = threading.Condition()
-        self._cancel = False
-        self._t_admit = self._t_first = 0.0
-        self._speculation = scheduler.speculation_for(request)  # a speculative.Speculation, or None
-        if self._speculation is not None:
-            self._speculation.start(prompt_ids)
-        self._guesses: list[int] = []  # the tokens guessed after its decode row this step
-        self.notify = None            # called (from the scheduler's thread) after each new Chunk or error
 
+    # -- what the request has come to (read from the scheduler's side) -------------------
     @property
     def generated(self) -> list[int]:
-        return self.sequence.generated
+        return self._job.sequence.generated
 
     @property
-    def tokens(self) -> list[int]:
-        """Prompt and generated tokens: what the slot must hold to go on (a new list)."""
-        return list(self.sequence.tokens)
+    def timings(self):
+        return self._job.sequence.timings
 
     @property
-    def n_tokens(self) -> int:
-        return len(self.sequence.tokens)
+    def n_cached(self) -> int:
+        """Prompt tokens found in a slot's cells (not evaluated again)."""
+        return self._job.n_cached
+
+    @property
+    def n_preempted(self) -> int:
+        return self._job.n_preempted
+
+    @property
+    def first_step(self) -> int | None:
+        """The scheduler step in which it first ran."""
+        return self._job.first_step
+
+    @property
+    def running(self) -> bool:
+        """In a slot now (neither queued, preempted nor finished)."""
+        return self._job.slot is not None
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None or self._error is not None
 
-    @property
-    def sort_key(self) -> tuple[int, int]:
-        return (self.request.priority if self._scheduler.policy == "priority" else 0, self.arrival)
-
     def cancel(self) -> None:
-        self._cancel = True
+        self._job.cancelled = True
 
+    # -- its Chunks --------------------------------------------------------------------
     def __iter__(self):
         while True:
             chunk = self._take()
@@ -133,7 +133,6 @@ class Handle:
             self._chunks.clear()
             return ready
 
-    # -- the scheduler's side ----------------------------------------------------------
     def _take(self) -> Chunk | None:
         while True:
             with self._cv:
@@ -149,7 +148,7 @@ class Handle:
             if not self._scheduler.step() and not self._chunks and not self.done:
                 raise MinillmError("the scheduler has nothing to run for this request")
 
-    def _put(self, chunk: Chunk) -> None:
+    def deliver(self, chunk: Chunk) -> None:
         with self._cv:
             self._chunks.append(chunk)
             if chunk.finish_reason is not None:
@@ -158,27 +157,62 @@ class Handle:
         if self.notify is not None:
             self.notify()
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
         with self._cv:
             self._error = error
             self._cv.notify_all()
         if self.notify is not None:
             self.notify()
 
-    def _emit(self, token: int, row: np.ndarray) -> bool:
+
+class _Job:
+    """A request on the scheduler's side: its Sequence (tokens, sampler, end of generation,
+    detokenizer, stop strings, timings), where it runs, what it guesses, when it started. Its
+    Handle is the caller's view."""
+
+    def __init__(self, scheduler: "Scheduler", request: Request, prompt_ids: list[int], arrival: int):
+        self.request = request
+        self.prompt_ids = prompt_ids
+        self.sequence = Sequence(scheduler.tokenizer, prompt_ids, request.max_tokens, request.sampling,
+                                 request.stop, request.ignore_eos, request.logprobs, max_length=scheduler.n_ctx)
+        self.timings = self.sequence.timings
+        self.arrival = arrival
+        self.sort_key = (request.priority if scheduler.policy == "priority" else 0, arrival)
+        self.slot: "_Slot | None" = None
+        self.cancelled = False
+        self.n_cached = 0             # prompt tokens found in a slot's cells (not evaluated again)
+        self.n_preempted = 0
+        self.first_step: int | None = None
+        self.t_admit = self.t_first = 0.0
+        self.speculation = scheduler.speculation_for(request)  # a speculative.Speculation, or None
+        if self.speculation is not None:
+            self.speculation.start(prompt_ids)
+        self.guesses: list[int] = []  # the tokens guessed after its decode row this step
+        self.handle = Handle(scheduler, self)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt and generated tokens: what the slot must hold to go on (a new list)."""
+        return list(self.sequence.tokens)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.sequence.tokens)
+
+    def emit(self, token: int, row: np.ndarray) -> bool:
         """Stream a chosen token (row: the logits it came from); True when the request is finished."""
         self._timed(time.perf_counter())
         for chunk in self.sequence.take(token, row):
-            self._put(chunk)
+            self.handle.deliver(chunk)
         return self.sequence.done
 
-    def _finish(self, reason: str, now: float) -> None:
+    def finish(self, reason: str, now: float) -> None:
         self._timed(now)
-        self._put(self.sequence.finish(reason))
+        self.handle.deliver(self.sequence.finish(reason))
 
     def _timed(self, now: float) -> None:
-        if self._t_first:
-            self.timings.generate_s = now - self._t_first
+        if self.t_first:
+            self.timings.generate_s = now - self.t_first
 
 
 class _Slot:
@@ -187,7 +221,7 @@ class _Slot:
     def __init__(self, index: int):
         self.index = index
         self.tokens: list[int] = []
-        self.handle: Handle | None = None
+        self.job: _Job | None = None
         self.last_used = 0
         self.draft_session = None  # a generate.Session of the scheduler's draft model, once a draft request ran here
 
@@ -228,7 +262,7 @@ class Scheduler:
         self.draft = draft
         self.speculation = speculation or SpeculationParams()
         check_params(self.speculation)
-        self.queue: list[Handle] = []
+        self.queue: list[_Job] = []
         self.threaded = False
         self.n_steps = 0
         self.n_evaluated = 0  # rows evaluated so far (prompt and generated tokens)
@@ -260,14 +294,14 @@ class Scheduler:
             raise MinillmError("draft: no draft model was given (--draft FILE, or Scheduler(draft=...))")
         if request.draft and request.lookup:
             raise MinillmError("choose a draft model or prompt lookup, not both")
-        handle = Handle(self, request, ids, next(self._arrivals))
+        job = _Job(self, request, ids, next(self._arrivals))
         if request.max_tokens == 0:
-            handle._finish("length", time.perf_counter())
-            return handle
+            job.finish("length", time.perf_counter())
+            return job.handle
         with self._lock:
-            self.queue.append(handle)
+            self.queue.append(job)
             self._wake.notify_all()
-        return handle
+        return job.handle
 
     def cancel(self, handle: Handle) -> None:
         handle.cancel()
@@ -281,7 +315,7 @@ class Scheduler:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"running": sum(s.handle is not None for s in self.slots), "queued": len(self.queue),
+            return {"running": sum(s.job is not None for s in self.slots), "queued": len(self.queue),
                     "slots": len(self.slots), "free_cells": self.pool.free_cells, "cells": self.pool.n_cells,
                     "steps": self.n_steps, "evaluated": self.n_evaluated}
 
@@ -319,7 +353,7 @@ class Scheduler:
         self.model.use_threads()
         while True:
             with self._lock:
-                while not self._stop and not self.queue and all(s.handle is None for s in self.slots):
+                while not self._stop and not self.queue and all(s.job is None for s in self.slots):
                     self._wake.wait()
                 if self._stop:
                     return
@@ -341,9 +375,9 @@ class Scheduler:
                 logits, outputs = self._forward(plan)
             except Exception as exc:  # a kernel error: those requests fail, the slots are freed
                 with self._lock:
-                    for handle, _ in plan:
-                        self._leave(handle, clear=True)
-                        handle._fail(exc)
+                    for job, _ in plan:
+                        self._leave(job, clear=True)
+                        job.handle.fail(exc)
                 return True
             with self._lock:
                 self._sample(logits, outputs, time.perf_counter() - t0)
@@ -351,31 +385,31 @@ class Scheduler:
 
     def _drop_cancelled(self) -> None:
         now = time.perf_counter()
-        for handle in [h for h in self.queue if h._cancel]:
-            self.queue.remove(handle)
-            handle._finish("cancelled", now)
+        for job in [j for j in self.queue if j.cancelled]:
+            self.queue.remove(job)
+            job.finish("cancelled", now)
         for slot in self.slots:
-            if slot.handle is not None and slot.handle._cancel:
-                handle = slot.handle
-                self._leave(handle)
-                handle._finish("cancelled", now)
+            if slot.job is not None and slot.job.cancelled:
+                job = slot.job
+                self._leave(job)
+                job.finish("cancelled", now)
 
     def _admit(self) -> None:
         while self.queue:
-            handle = min(self.queue, key=lambda h: h.sort_key)
-            free = [s for s in self.slots if s.handle is None]
+            job = min(self.queue, key=lambda j: j.sort_key)
+            free = [s for s in self.slots if s.job is None]
             if not free:
-                victim = max((s.handle for s in self.slots), key=lambda h: h.sort_key)
-                if self.policy != "priority" or victim.request.priority <= handle.request.priority:
+                victim = max((s.job for s in self.slots), key=lambda j: j.sort_key)
+                if self.policy != "priority" or victim.request.priority <= job.request.priority:
                     return
                 self._preempt(victim)
                 continue
-            self.queue.remove(handle)
-            self._place(handle, free)
+            self.queue.remove(job)
+            self._place(job, free)
 
-    def _place(self, handle: Handle, free: list[_Slot]) -> None:
-        """Run handle in the free slot whose cells share the longest prefix with its tokens."""
-        tokens = handle.tokens
+    def _place(self, job: _Job, free: list[_Slot]) -> None:
+        """Run job in the free slot whose cells share the longest prefix with its tokens."""
+        tokens = job.tokens
 
         def shared(slot: _Slot) -> int:
             if not self.pool.reusable(len(slot.tokens)):
@@ -386,58 +420,58 @@ class Scheduler:
             return n
 
         slot = max(free, key=lambda s: (shared(s), -s.last_used))
-        if handle.request.draft and handle._speculation.active:  # the draft decodes in the slot's session
+        if job.request.draft and job.speculation.active:  # the draft decodes in the slot's session
             if slot.draft_session is None:
                 slot.draft_session = Session(self.draft, n_ctx=self.n_ctx)
-            handle._speculation.guesser.session = slot.draft_session
+            job.speculation.use_session(slot.draft_session)
         keep = shared(slot)
         self.pool.release(slot.index, keep)
         del slot.tokens[keep:]
-        slot.handle = handle
-        handle.slot = slot
-        if handle.first_step is None:
-            handle.first_step = self.n_steps
-            handle.n_cached = min(keep, len(handle.prompt_ids))
-            handle._t_admit = time.perf_counter()
+        slot.job = job
+        job.slot = slot
+        if job.first_step is None:
+            job.first_step = self.n_steps
+            job.n_cached = min(keep, len(job.prompt_ids))
+            job.t_admit = time.perf_counter()
 
-    def _preempt(self, handle: Handle) -> None:
+    def _preempt(self, job: _Job) -> None:
         """Back to the queue; its cells stay in the slot (reused if it gets them back intact)."""
-        self._leave(handle)
-        handle.n_preempted += 1
-        self.queue.append(handle)
+        self._leave(job)
+        job.n_preempted += 1
+        self.queue.append(job)
 
-    def _leave(self, handle: Handle, clear: bool = False) -> None:
-        if handle._guesses:  # planned, never checked
-            handle._speculation.n_drafted -= len(handle._guesses)
-            handle._guesses = []
-        slot = handle.slot
+    def _leave(self, job: _Job, clear: bool = False) -> None:
+        if job.guesses:  # planned, never checked
+            job.speculation.n_drafted -= len(job.guesses)
+            job.guesses = []
+        slot = job.slot
         if slot is None:
             return
-        slot.handle, handle.slot = None, None
+        slot.job, job.slot = None, None
         slot.last_used = self.n_steps
         if clear:
             self.pool.release(slot.index)
             slot.tokens = []
 
-    def _plan(self) -> list[tuple[Handle, int]]:
-        """(handle, rows) for this step: decode rows first, then prompt chunks within the budget;
+    def _plan(self) -> list[tuple[_Job, int]]:
+        """(job, rows) for this step: decode rows first, then prompt chunks within the budget;
         blocks assigned for all of them."""
         while True:
-            running = sorted((s.handle for s in self.slots if s.handle is not None), key=lambda h: h.sort_key)
-            decoding = [h for h in running if h.n_tokens - len(h.slot.tokens) == 1]
-            plan = [(h, 1 + len(self._guesses(h, len(decoding)))) for h in decoding]
-            settled = sum(h.timings.n_generated >= SETTLED_TOKENS for h, _ in plan)
+            running = sorted((s.job for s in self.slots if s.job is not None), key=lambda j: j.sort_key)
+            decoding = [j for j in running if j.n_tokens - len(j.slot.tokens) == 1]
+            plan = [(j, 1 + len(self._guesses(j, len(decoding)))) for j in decoding]
+            settled = sum(j.timings.n_generated >= SETTLED_TOKENS for j, _ in plan)
             budget = self.prompt_budget(len(plan), settled)
-            for handle in running:
-                pending = handle.n_tokens - len(handle.slot.tokens)
+            for job in running:
+                pending = job.n_tokens - len(job.slot.tokens)
                 if pending > 1 and budget > 0:
                     n = min(pending, budget)
-                    plan.append((handle, n))
+                    plan.append((job, n))
                     budget -= n
             if self._assign_blocks(plan):
                 return plan
 
-    def _guesses(self, handle: Handle, n_streams: int) -> list[int]:
+    def _guesses(self, job: _Job, n_streams: int) -> list[int]:
         """The tokens a lookup or draft request guesses after its decode row this step
         (speculative.py: as many as are expected to pay; a draft's time counts n_streams times
         over, as every decoding stream waits for it), within its max_tokens, the context and
@@ -445,18 +479,18 @@ class Scheduler:
         Each guess is one more row of its sequence, computed alone like every row, so checking
         it against the decode row's logits (Sampler.verify) keeps its tokens those of plain
         decoding."""
-        spec = handle._speculation
-        if spec is None or handle._guesses:  # none, or planned already (plan again after eviction)
-            return handle._guesses
-        room = min(handle.request.max_tokens - handle.timings.n_generated, self.n_ctx - handle.n_tokens) - 1
+        spec = job.speculation
+        if spec is None or job.guesses:  # none, or planned already (plan again after eviction)
+            return job.guesses
+        room = min(job.request.max_tokens - job.timings.n_generated, self.n_ctx - job.n_tokens) - 1
         spec.n_streams = n_streams
-        guesses = spec.guesses(handle.tokens, room)
-        start = len(handle.slot.tokens)
-        if guesses and not self.pool.can_assign(self.pool.blocks_needed(handle.slot.index, start,
+        guesses = spec.guesses(job.tokens, room)
+        start = len(job.slot.tokens)
+        if guesses and not self.pool.can_assign(self.pool.blocks_needed(job.slot.index, start,
                                                                         start + 1 + len(guesses))):
             spec.n_drafted -= len(guesses)  # no cells to spare: no guesses this step
             guesses = []
-        handle._guesses = guesses
+        job.guesses = guesses
         return guesses
 
     def prompt_budget(self, n_decoding: int, n_settled: int) -> int:
@@ -474,18 +508,18 @@ class Scheduler:
 
     def _assign_blocks(self, plan) -> bool:
         """Blocks for every planned row; False after making room (plan again)."""
-        for handle, n in plan:
-            start = len(handle.slot.tokens)
-            needed = self.pool.blocks_needed(handle.slot.index, start, start + n)
+        for job, n in plan:
+            start = len(job.slot.tokens)
+            needed = self.pool.blocks_needed(job.slot.index, start, start + n)
             if self.pool.can_assign(needed):
-                self.pool.assign(handle.slot.index, needed)
+                self.pool.assign(job.slot.index, needed)
                 continue
-            idle = sorted((s for s in self.slots if s.handle is None and s.tokens), key=lambda s: s.last_used)
+            idle = sorted((s for s in self.slots if s.job is None and s.tokens), key=lambda s: s.last_used)
             if idle:
                 self.pool.release(idle[0].index)
                 idle[0].tokens = []
                 return False
-            victim = max((s.handle for s in self.slots if s.handle is not None), key=lambda h: h.sort_key)
+            victim = max((s.job for s in self.slots if s.job is not None), key=lambda j: j.sort_key)
             slot = victim.slot
             self._preempt(victim)
             self.pool.release(slot.index)  # its cells go back to the pool: it will be recomputed
@@ -494,58 +528,58 @@ class Scheduler:
         return True
 
     def _forward(self, plan):
-        """One forward over the plan's rows; (logits of the output rows, their handles)."""
+        """One forward over the plan's rows; (logits of the output rows, their jobs)."""
         inner, last = [], []  # rows as (slot, position, token); a sequence's newest row last
         outputs = []
-        for handle, n in plan:
-            slot = handle.slot
+        for job, n in plan:
+            slot = job.slot
             start = len(slot.tokens)
-            tokens = handle.tokens + handle._guesses  # a decode row's guesses: rows after it
+            tokens = job.tokens + job.guesses  # a decode row's guesses: rows after it
             rows = [(slot.index, start + i, tokens[start + i]) for i in range(n)]
-            if handle._guesses:  # every row's logits: each checks the guess after it
+            if job.guesses:  # every row's logits: each checks the guess after it
                 last.extend(rows)
-                outputs.append(handle)
+                outputs.append(job)
                 continue
             if start + n == len(tokens):  # its last token: sample after it
                 inner.extend(rows[:-1])
                 last.append(rows[-1])
-                outputs.append(handle)
+                outputs.append(job)
             else:
                 inner.extend(rows)
         rows = np.array(inner + last, np.int64).reshape(-1, 3)
         row_seq, positions, ids = rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy()
         kv_of = self.pool.batch_kv(row_seq, positions)
         logits = self.model.backend.forward_rows(ids, positions, kv_of, len(inner), self.pool.n_ctx)
-        for handle, n in plan:
-            slot = handle.slot
+        for job, n in plan:
+            slot = job.slot
             start = len(slot.tokens)
-            n -= len(handle._guesses)  # guesses join the slot's cells once accepted (_sample)
-            slot.tokens.extend(handle.tokens[start:start + n])
-            if handle.request.draft and n > 1 and handle._speculation.active:
-                handle._speculation.guesser.follow(slot.tokens)  # a prompt chunk: the draft reads it too
-            handle.timings.n_prompt += max(0, min(start + n, len(handle.prompt_ids)) - start)
+            n -= len(job.guesses)  # guesses join the slot's cells once accepted (_sample)
+            slot.tokens.extend(job.tokens[start:start + n])
+            if job.request.draft and n > 1:
+                job.speculation.follow(slot.tokens)  # a prompt chunk: the draft reads it too
+            job.timings.n_prompt += max(0, min(start + n, len(job.prompt_ids)) - start)
         self.n_evaluated += len(ids)
         return logits, outputs
 
-    def _sample(self, logits: np.ndarray, outputs: list[Handle], step_s: float) -> None:
-        """Sample each output handle's token from its row; a handle that guessed has a row per
+    def _sample(self, logits: np.ndarray, outputs: list[_Job], step_s: float) -> None:
+        """Sample each output job's token from its row; a job that guessed has a row per
         guess too: each guess is checked against the row before it (kept as the token, or
         replaced by one drawn from the rest of the distribution), and the rows after a replaced
         guess are dropped (their cells are rewritten later; the slot's tokens stop before them)."""
         now = time.perf_counter()
         at = 0
-        for handle in outputs:
-            guesses, handle._guesses = handle._guesses, []
+        for job in outputs:
+            guesses, job.guesses = job.guesses, []
             rows = logits[at:at + 1 + len(guesses)]
             at += len(rows)
-            if handle.slot is None:  # preempted meanwhile: it resumes from its tokens
+            if job.slot is None:  # preempted meanwhile: it resumes from its tokens
                 continue
-            if not handle._t_first:
-                handle._t_first = now
-                handle.timings.prompt_s = now - handle._t_admit
-            if handle._speculation is not None and handle.timings.n_generated:  # not its prompt's step
-                self._time_pass(handle._speculation, len(rows), step_s, len(outputs))
-            self._sample_rows(handle, rows, guesses)
+            if not job.t_first:
+                job.t_first = now
+                job.timings.prompt_s = now - job.t_admit
+            if job.speculation is not None and job.timings.n_generated:  # not its prompt's step
+                self._time_pass(job.speculation, len(rows), step_s, len(outputs))
+            self._sample_rows(job, rows, guesses)
 
     @staticmethod
     def _time_pass(spec, n_rows: int, step_s: float, n_streams: int) -> None:
@@ -557,17 +591,17 @@ class Scheduler:
             step_s = spec.t_lone + n_streams * (step_s - spec.t_lone)
         spec.timed(n_rows, step_s)
 
-    def _sample_rows(self, handle: Handle, rows: np.ndarray, guesses: list[int]) -> None:
+    def _sample_rows(self, job: _Job, rows: np.ndarray, guesses: list[int]) -> None:
         for i, row in enumerate(rows):
             guess = guesses[i] if i < len(guesses) else None
-            token = handle.sequence.choose(row, guess)
+            token = job.sequence.choose(row, guess)
             if guess is not None:
-                handle._speculation.judged(token == guess)
-                handle.timings.n_drafted = handle._speculation.n_drafted
-                handle.timings.n_accepted = handle._speculation.n_accepted
-            if handle._emit(token, row):
-                self._leave(handle)
+                job.speculation.judged(token == guess)
+                job.timings.n_drafted = job.speculation.n_drafted
+                job.timings.n_accepted = job.speculation.n_accepted
+            if job.emit(token, row):
+                self._leave(job)
                 return
             if token != guess:
                 return
-            handle.slot.tokens.append(guess)  # its row's cells hold the token now taken
+            job.slot.tokens.append(guess)  # its row's cells hold the token now taken
