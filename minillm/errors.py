@@ -2,7 +2,13 @@
 
 
 class MinillmError(Exception):
-    """Base class: an error whose message is meant for the user, not a traceback."""
+    """Base class: an error whose message is meant for the user, not a traceback. params: the
+    library parameters the message names, spelled as in the message (n_ctx, truncate, ...), so
+    that a front end can put its own names for them instead: the CLI its flags."""
+
+    def __init__(self, message: str, params: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.params = params
 
 
 class GGUFError(MinillmError):

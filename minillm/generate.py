@@ -37,7 +37,8 @@ class Session:
         if len(ids) > limit:
             if not truncate:
                 raise MinillmError(f"the prompt is {len(ids)} tokens, {len(ids) - limit} more than the context "
-                                   f"of {self.n_ctx} allows (at most {limit}); raise --ctx or use --truncate")
+                                   f"of {self.n_ctx} allows (at most {limit}); raise n_ctx or use truncate",
+                                   ("n_ctx", "truncate"))
             ids = ids[len(ids) - limit:]
         return ids
 

@@ -32,9 +32,9 @@ def check_cache_types(types: tuple[str, str], head_dim: int) -> tuple[str, str]:
     """(K type, V type) as given to -ctk/-ctv, checked: known names, both F16 or both quantized
     (the mixed kernels are not built), and heads of whole 32-value blocks."""
     types = tuple(t.lower() for t in types)
-    for name, flag in zip(types, ("--cache-type-k", "--cache-type-v")):
+    for name, param in zip(types, ("cache_types[0]", "cache_types[1]")):
         if name not in CACHE_TYPES:
-            raise MinillmError(f"{flag} {name}: expected one of {', '.join(CACHE_TYPES)}")
+            raise MinillmError(f"{param} {name}: expected one of {', '.join(CACHE_TYPES)}", (param,))
     if (types[0] == "f16") != (types[1] == "f16"):
         raise MinillmError(f"K and V caches of types {types[0]} and {types[1]}: both f16, or both quantized "
                            "(q8_0, q4_0), are supported")

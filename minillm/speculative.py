@@ -276,14 +276,14 @@ def guess_summary(timings) -> str:
 
 
 def check_params(params: SpeculationParams) -> None:
-    """MinillmError naming the flag when a parameter is out of its range."""
+    """MinillmError naming the parameter when one is out of its range."""
     if params.draft_max < 1 or not 0 <= params.draft_min <= params.draft_max:
-        raise MinillmError(f"--draft-min {params.draft_min} and --draft-max {params.draft_max}: "
-                           "need 0 <= draft-min <= draft-max and draft-max >= 1")
+        raise MinillmError(f"draft_min {params.draft_min} and draft_max {params.draft_max}: "
+                           "need 0 <= draft_min <= draft_max and draft_max >= 1", ("draft_min", "draft_max"))
     if not 0.0 <= params.p_min <= 1.0:
-        raise MinillmError(f"--draft-p-min {params.p_min}: a probability, between 0 and 1")
+        raise MinillmError(f"p_min {params.p_min}: a probability, between 0 and 1", ("p_min",))
     if params.lookup_ngram < 1:
-        raise MinillmError(f"--lookup-ngram {params.lookup_ngram}: at least 1")
+        raise MinillmError(f"lookup_ngram {params.lookup_ngram}: at least 1", ("lookup_ngram",))
 
 
 def make_speculation(model, n_ctx: int, draft=None, lookup: bool = False,

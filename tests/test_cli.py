@@ -38,6 +38,41 @@ def test_bad_flag_is_a_usage_error(tiny_llama):
     assert out.returncode == 2 and "Traceback" not in out.stderr
 
 
+def test_engine_errors_name_parameters_and_the_cli_names_flags(tiny_llama):
+    """The engine's messages name the library's parameters; the CLI prints its flags instead,
+    but leaves the same words alone inside a path or a quoted value."""
+    from minillm.cli.common import error_message
+    from minillm.errors import MinillmError
+    from minillm.speculative import SpeculationParams, check_params
+
+    with pytest.raises(MinillmError) as refused:
+        check_params(SpeculationParams(draft_max=2, draft_min=5))
+    assert str(refused.value).startswith("draft_min 5 and draft_max 2: need 0 <= draft_min <= draft_max")
+    assert error_message(refused.value).startswith("--draft-min 5 and --draft-max 2: need 0 <= --draft-min <= ")
+    base = MinillmError("kld_base.bin: not a base file (write one with kld_base FILE)", ("kld_base",))
+    assert error_message(base) == "kld_base.bin: not a base file (write one with --kl-divergence-base FILE)"
+    out = run("generate", str(tiny_llama), "-p", "x", "-ctk", "q5_0", "-ctv", "q5_0")
+    assert out.returncode == 1 and out.stderr == "error: --cache-type-k q5_0: expected one of f16, q8_0, q4_0\n"
+
+
+def test_every_parameter_an_engine_message_names_has_a_flag():
+    """MinillmError(message, params) in the engine: the CLI knows a flag for each param written
+    out (kv_cache's, chosen in a loop, are checked through the CLI above)."""
+    import ast
+    from pathlib import Path
+
+    import minillm
+    from minillm.cli.common import FLAGS
+
+    named = set()
+    for path in Path(minillm.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and len(node.args) == 2 and isinstance(node.args[1], ast.Tuple):
+                if getattr(node.func, "id", None) == "MinillmError":
+                    named |= {e.value for e in node.args[1].elts if isinstance(e, ast.Constant)}
+    assert named and named <= set(FLAGS), named - set(FLAGS)
+
+
 def test_info_json(tiny_llama):
     out = run("info", str(tiny_llama), "--json")
     assert out.returncode == 0, out.stderr

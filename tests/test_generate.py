@@ -199,6 +199,7 @@ def test_generate_cli_errors():
     long_prompt = "word " * 400
     out = cli("generate", model, "-p", long_prompt, "--ctx", "64", "-n", "4")
     assert out.returncode == 1 and "more than the context of 64 allows" in out.stderr
+    assert out.stderr.rstrip().endswith("raise --ctx or use --truncate")  # the engine's n_ctx and truncate
     assert "Traceback" not in out.stderr
     out = cli("generate", model, "-p", long_prompt, "--ctx", "64", "-n", "4", "--truncate", "--temp", "0")
     assert out.returncode == 0 and out.stdout.strip()

@@ -307,7 +307,7 @@ def test_requantize_needs_the_flag_and_then_dequantizes_exactly(tmp_path):
     (lambda p, o: quantize(p, o, "Q9_X"), "unknown quantization type"),
     (lambda p, o: quantize(p, o, "99"), "unknown quantization type"),
     (lambda p, o: quantize(p, o, "Q8_0", tensor_types=["attn_v"]), "expected PATTERN=TYPE"),
-    (lambda p, o: quantize(p, o, "Q8_0", tensor_types=["attn[=q8_0"]), "bad --tensor-type pattern"),
+    (lambda p, o: quantize(p, o, "Q8_0", tensor_types=["attn[=q8_0"]), "bad tensor_types pattern"),
     (lambda p, o: quantize(p, o, "Q8_0", tensor_types=["attn_v=q9_0"]), "unknown tensor type"),
     (lambda p, o: quantize(p, o, "Q8_0", output_tensor_type="IQ2_XS"), "unknown tensor type"),
     (lambda p, o: quantize(p.parent / "missing.gguf", o, "Q8_0"), "no such file"),
@@ -456,7 +456,7 @@ def compare_with_golden(path, key: str) -> tuple[int, int, list]:
 
 @pytest.mark.slow
 def test_smollm2_requantize_needs_the_flag(tmp_path):
-    with pytest.raises(MinillmError, match="--allow-requantize"):
+    with pytest.raises(MinillmError, match="allow_requantize"):
         quantize(model_path("smollm2"), tmp_path / "x.gguf", "Q8_0")
     assert list(tmp_path.iterdir()) == []
 

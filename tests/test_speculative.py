@@ -336,7 +336,7 @@ def test_scheduler_draft_requests_give_plain_tokens(name, requantized, monkeypat
     assert not scheduler.speculation_for(Request("Hello", 4, draft=True)).active
     with pytest.raises(MinillmError, match="no draft model"):
         model.scheduler(parallel=1).submit(Request("Hello", 4, draft=True))
-    with pytest.raises(MinillmError, match="--draft-max 0"):
+    with pytest.raises(MinillmError, match="draft_max 0"):
         model.scheduler(parallel=1, speculation={"draft_max": 0})
     with pytest.raises(MinillmError, match="not both"):
         scheduler.submit(Request("Hello", 4, draft=True, lookup=True))

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from .common import err
+from .common import err, print_error
 from .generate import CACHE_TYPE_K, CACHE_TYPE_V
 from ..errors import MinillmError
 
@@ -203,7 +203,7 @@ def _run_app() -> int:
         err(str(exc.code))
         return 1
     except MinillmError as exc:
-        err(f"error: {exc}")
+        print_error(exc)
         return 1
     except KeyboardInterrupt:
         err("interrupted")

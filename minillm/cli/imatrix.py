@@ -22,6 +22,7 @@ import click
 import typer
 from typer.core import TyperCommand
 
+from .common import print_error
 from ..errors import MinillmError
 
 try:                                # typer 0.2x carries its own copy of click
@@ -130,7 +131,7 @@ def imatrix_command(
         _imatrix(model, file, out, output_format, files, show_statistics, n_ctx, n_batch, n_ubatch, chunks,
                  first_chunk, out_freq, save_freq, process_output, no_ppl, threads, as_json)
     except MinillmError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         raise typer.Exit(1)
 
 

@@ -18,7 +18,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import err
+from .common import err, print_error
 from ..errors import MinillmError
 from ..quantize.ftypes import TENSOR_TYPES, parse_file_type, type_help
 
@@ -123,7 +123,7 @@ def quantize_command(
             _report_eval(in_path, [out for _, out in jobs], texts[eval_text], eval_ctx, eval_chunks,
                          threads, as_json)
     except MinillmError as exc:
-        err(f"error: {exc}")
+        print_error(exc)
         raise typer.Exit(1)
     except KeyboardInterrupt:
         err("interrupted: nothing was written")

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from .common import error_message
 from ..errors import MinillmError
 from ..generate import Session
 from ..sampling import SamplingParams
@@ -254,4 +255,4 @@ def repl(chat: Chat) -> None:
             chat.reply(text)
         except MinillmError as exc:
             chat.messages.pop()
-            chat.say(f"error: {exc}")
+            chat.say(f"error: {error_message(exc)}")

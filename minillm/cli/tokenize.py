@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 
+from .common import print_error
 from ..errors import MinillmError
 
 
@@ -40,7 +41,7 @@ def tokenize_command(
             tokenizer = Tokenizer.from_gguf(gguf)
         ids = tokenizer.tokenize(text, add_bos=False if no_bos else None, special=special)
     except MinillmError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(exc)
         raise typer.Exit(1) from None
     if ids_only:
         print(json.dumps(ids))

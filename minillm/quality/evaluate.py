@@ -158,6 +158,6 @@ def layer_importance(path, text: str, n_ctx: int = 512, n_chunks: int = 2, threa
 def cheapest_layers(costs: list[LayerCost], n: int) -> list[int]:
     """The n layers whose absence costs least (smallest KL divergence)."""
     if not 0 < n < len(costs):
-        raise MinillmError(f"--prune-layers auto:{n}: the model has {len(costs)} layers; "
+        raise MinillmError(f"cannot leave out the {n} cheapest of the model's {len(costs)} layers: "
                            f"choose 1 to {len(costs) - 1}")
     return sorted(c.layer for c in sorted(costs, key=lambda c: c.kld)[:n])

@@ -56,7 +56,7 @@ class ActivationRecorder:
     middle of a ubatch."""
 
     def __init__(self, backend, collector: Collector, process_output: bool = False):
-        self.names = {}                              # id(packed weight tuple) -> tensor name
+        self.names = {}                              # id(Weights) -> tensor name
         for il, layer in enumerate(backend.layers):
             for value, source in zip(layer, backend.arch.layer_sources(il)):
                 if source is not None and isinstance(value, tuple):
@@ -104,7 +104,7 @@ class ActivationRecorder:
 
 @dataclass
 class StreamKV:
-    """One layer's caches in a ubatch of several streams: (first row, end row, kv tuple) each."""
+    """One layer's caches in a ubatch of several streams: (first row, end row, KVView) each."""
     parts: list
 
 
@@ -161,7 +161,7 @@ def compute_imatrix(model, text: str, dataset: str, n_ctx: int = 512, n_batch: i
         tokens = tokens[first_chunk * n_ctx:]
     if len(tokens) < 2 * n_ctx:
         raise MinillmError(f"the text is {len(tokens)} tokens; an importance matrix with a context of {n_ctx} "
-                           f"needs at least {2 * n_ctx} (a longer text, or a smaller -c)")
+                           f"needs at least {2 * n_ctx} (a longer text, or a smaller n_ctx)", ("n_ctx",))
     n_chunk = len(tokens) // n_ctx
     if n_chunks is not None and n_chunks > 0:
         n_chunk = min(n_chunk, n_chunks)

@@ -84,7 +84,7 @@ class BaseFile:
                 head = f.read(len(MAGIC) + HEADER.size)
                 if len(head) < len(MAGIC) + HEADER.size or head[:len(MAGIC)] != MAGIC:
                     raise MinillmError(f"{path} does not look like a file of base log-probabilities "
-                                       "(write one with --kl-divergence-base FILE and -f TEXT)")
+                                       "(write one by scoring a text with kld_base FILE)", ("kld_base",))
                 n_ctx, n_vocab, n_chunk = HEADER.unpack(head[len(MAGIC):])
                 if not (16 <= n_ctx <= 1 << 20 and 0 < n_vocab < 1 << 24 and 0 < n_chunk < 1 << 20):
                     raise MinillmError(f"{path}: implausible header (n_ctx {n_ctx}, n_vocab {n_vocab}, "

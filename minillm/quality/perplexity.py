@@ -73,7 +73,7 @@ def kl_divergence(model, base, progress=None) -> KLDResult:
         raise MinillmError(f"{base.path} holds a vocabulary of {base.n_vocab} tokens, the model {model.n_vocab}")
     if base.n_chunk * base.rows_per_chunk < 100:
         raise MinillmError(f"{base.path} scores only {base.n_chunk * base.rows_per_chunk} positions; "
-                           "the statistics need 100 (a longer text, or a larger -c)")
+                           "the statistics need 100 (a longer text, or a larger n_ctx)", ("n_ctx",))
     sums = KLDSums()
     for c, logits, targets in scored_chunks(model, base.tokens, base.n_ctx, base.n_chunk):
         sums.add(logits, base.chunk_rows(c), targets)

@@ -28,7 +28,7 @@ FLOAT_MASKS = {"F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80), "F32": (
 def set_threads(threads: int | None) -> None:
     if threads is not None:
         if threads < 1:
-            raise MinillmError(f"--threads must be at least 1, got {threads}")
+            raise MinillmError(f"threads must be at least 1, got {threads}", ("threads",))
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
 

@@ -335,9 +335,10 @@ def prune_layers(names: list[str], prune: tuple[int, ...], n_layer: int):
         return [(n, n) for n in names], None
     bad = [i for i in prune if not 0 <= i < n_layer]
     if bad:
-        raise MinillmError(f"--prune-layers: the model has layers 0-{n_layer - 1}; no layer {bad[0]}")
+        raise MinillmError(f"prune_layers: the model has layers 0-{n_layer - 1}; no layer {bad[0]}",
+                           ("prune_layers",))
     if len(prune) >= n_layer:
-        raise MinillmError(f"--prune-layers would remove all {n_layer} layers")
+        raise MinillmError(f"prune_layers would remove all {n_layer} layers", ("prune_layers",))
     new_index = {}
     for old in range(n_layer):
         if old not in prune:

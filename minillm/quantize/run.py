@@ -77,13 +77,14 @@ def parse_tensor_type_overrides(items: Iterable) -> tuple[tuple[re.Pattern, Form
         if isinstance(item, str):
             pattern, sep, type_name = item.partition("=")
             if not sep or not pattern or not type_name:
-                raise MinillmError(f"bad --tensor-type {item!r}: expected PATTERN=TYPE, e.g. attn_v=q8_0")
+                raise MinillmError(f"bad tensor_types {item!r}: expected PATTERN=TYPE, e.g. attn_v=q8_0",
+                                   ("tensor_types",))
         else:
             pattern, type_name = item
         try:
             regex = re.compile(pattern.lower())
         except re.error as exc:
-            raise MinillmError(f"bad --tensor-type pattern {pattern!r}: {exc}") from None
+            raise MinillmError(f"bad tensor_types pattern {pattern!r}: {exc}", ("tensor_types",)) from None
         overrides.append((regex, _tensor_type(type_name)))
     return tuple(overrides)
 
@@ -114,7 +115,8 @@ def _check_requantize(plan: Plan, allow: bool, log: Callable[[str], None]) -> No
     kinds = ", ".join(sorted({t.src.name for t in requantized}))
     if not allow:
         raise MinillmError(f"requantizing from type {kinds} is disabled ({len(requantized)} tensors are "
-                           f"already quantized); pass --allow-requantize to dequantize and requantize them")
+                           f"already quantized); pass allow_requantize to dequantize and requantize them",
+                           ("allow_requantize",))
     log(f"warning: requantizing {len(requantized)} tensors from {kinds}: this can severely reduce "
         "quality compared to quantizing from 16 or 32 bit")
 
