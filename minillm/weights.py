@@ -16,18 +16,17 @@ _NO_SCALES = np.zeros((0, 0, mm.R), np.float32)
 _NO_FLOATS = np.zeros((0, 0), np.float32)
 
 
-def row_by_row(packed: tuple) -> tuple:
-    """The same weights (shared arrays) with every batch row multiplied as if alone: the
-    product id flagged where the arithmetic otherwise follows the batch size (see
-    kernels/cpu/matmul.py ROW_BY_ROW)."""
-    if packed[11] in mm.BATCH_DEPENDENT:
-        return packed[:11] + (packed[11] + mm.ROW_BY_ROW,)
+def row_by_row(packed: layers.Weights) -> layers.Weights:
+    """The same weights (shared arrays) with every batch row multiplied as if alone, where the
+    arithmetic otherwise follows the batch size (kernels/cpu/matmul.py BATCH_DEPENDENT)."""
+    if packed.product in mm.BATCH_DEPENDENT:
+        return packed._replace(row_by_row=True)
     return packed
 
 
 class Matrix:
-    """A weight matrix (n_rows outputs, n_cols inputs). `packed` is the uniform tuple the
-    compiled layers take (see kernels/cpu/layers.py):
+    """A weight matrix (n_rows outputs, n_cols inputs). `packed` is the Weights named tuple
+    the compiled layers take (kernels/cpu/layers.py):
     32-block formats -> lanes tiles: codes at their width and float16 scales (kernels/cpu/lanes.py);
     K-quants -> codes tiled for the integer kernels, with their integer sub-block scales and
     mins as int8, and super-block scales `sb`;
@@ -40,16 +39,16 @@ class Matrix:
         self.n_rows, self.n_cols = n_rows, n_cols
         if not fmt.quantized:
             weight = np.ascontiguousarray(dequantize(fmt, raw, n_cols))
-            self.packed = (_NO_BYTES, _NO_SCALES, _NO_SCALES, 0, 0, weight, n_rows, 0, -1,
-                           _FLOAT_FORMATS[fmt.name], _NO_SCALES, 0)
+            self.packed = layers.Weights(_NO_BYTES, _NO_SCALES, _NO_SCALES, 0, 0, weight, n_rows, 0, -1,
+                                         _FLOAT_FORMATS[fmt.name], _NO_SCALES, 0, False)
             return
         pack = self._pack_lanes if fmt.product == "lanes" else self._pack_tiles
         data, scale, bias, offset, bits, sb = pack(fmt, raw, n_rows, n_cols, release or (lambda r0, r1: None))
         repacked = (fmt.repacked_product and n_rows % REPACK_ROWS == 0
                     and (GGML_AVX512 or not fmt.repacked_on_avx512_only))
         product = fmt.repacked_product if repacked else fmt.product
-        self.packed = (data, scale, bias, offset, bits, _NO_FLOATS, n_rows, fmt.group, mm.KIND_IDS[fmt.activation],
-                       0, sb, mm.PRODUCT_IDS[product])
+        self.packed = layers.Weights(data, scale, bias, offset, bits, _NO_FLOATS, n_rows, fmt.group,
+                                     mm.KIND_IDS[fmt.activation], 0, sb, mm.PRODUCT_IDS[product], False)
 
     @staticmethod
     def _chunks(fmt, raw, n_rows, n_cols, release):

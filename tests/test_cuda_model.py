@@ -290,3 +290,39 @@ def test_cpu_path_does_not_import_numba_cuda(model_files):
     proc = subprocess.run([sys.executable, "-c", code, str(model_files["llama-small-formats"])],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_both_ops_modules_offer_what_the_layers_call():
+    """The layer code (arch/llama.py, arch/gemma3.py) is written once over `ops`: every operation
+    it calls exists in kernels/cpu/layers.py and kernels/cuda/layers.py with the same parameters."""
+    import ast
+    import inspect
+
+    from minillm.arch import gemma3, llama
+    from minillm.kernels.cpu import layers as cpu_layers
+
+    called = set()
+    for layer in (llama.decoder_layer_ops, gemma3.gemma_layer_ops):
+        for node in ast.walk(ast.parse(inspect.getsource(layer))):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "ops":
+                called.add(node.attr)
+    assert {"linear", "linear3", "rope_attend", "norm"} <= called
+
+    def parameters(fn):
+        return list(inspect.signature(getattr(fn, "py_func", fn)).parameters)
+
+    for name in sorted(called):
+        assert parameters(getattr(cpu_layers, name)) == parameters(getattr(cuda_layers, name)), name
+
+
+def test_skipped_layers_leave_the_same_layers_out_on_both_backends(model_files):
+    """The shared forward loop: layer importance's skipped layers apply on CUDA as on the CPU."""
+    ids = np.random.default_rng(2).integers(0, TINY["n_vocab"], 3)
+    cpu = minillm.load(model_files["llama-small-formats"])
+    backend = cuda_backend(model_files["llama-small-formats"])
+    cpu.backend.skipped_layers = backend.skipped_layers = frozenset({0})
+    skipped = cpu.logits(ids)
+    assert_logits_match(backend.forward(ids, backend.new_cache(len(ids)), 0), skipped)
+    cpu.backend.skipped_layers = frozenset()
+    assert not np.array_equal(cpu.logits(ids), skipped)
+

@@ -95,7 +95,7 @@ def test_quantized_product_matches_dequantized(name, n_tokens):
     raw = random_blocks(name, n_rows, cols, rng)
     q, scale, bias = unpack(fmt, raw, cols)
     w = Matrix("w", fmt, raw, n_rows, cols)
-    assert (w.packed[4] == 4) == (fmt.name in ("Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K"))  # codes two a byte
+    assert (w.packed.bits == 4) == (fmt.name in ("Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K"))  # codes two a byte
     x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
     xq = np.empty((n_tokens, cols), np.int8)
     d16, s16 = np.empty((n_tokens, cols // 16), np.float32), np.empty((n_tokens, cols // 16), np.float32)
@@ -216,7 +216,7 @@ def test_q2_k_as_llama_cpp_repacks_it():
     n_rows, cols = 64, 512
     raw = random_blocks("Q2_K", n_rows, cols, rng)
     packed = Matrix("w", fmt, raw, n_rows, cols).packed
-    repacked = packed[:11] + (mm.PRODUCT_K_LANES_8X8,)
+    repacked = packed._replace(product=mm.PRODUCT_K_LANES_8X8)
     x = rng.standard_normal((6, cols)).astype(np.float32)  # rows 0-3: the gemm; 4-5: the gemv
     batch = layers.linear(repacked, x)
     alone = np.concatenate([layers.linear(repacked, x[t:t + 1]) for t in range(6)])

@@ -1,14 +1,11 @@
 """Building blocks that architectures compose inside one compiled function per layer, so a
 decode step costs one Python -> Numba call per layer instead of one per operation.
 
-A weight matrix travels as one tuple of uniform type (see minillm/weights.py):
-    (data uint8 (flat tiles), scale (NT, K/G, R), bias (NT, K/G or 0, R), code offset, code bits,
-     fweight (N, K) float32, n_rows, group, kind, float_format, sb, product)
-quantized formats use data (and, but for the 32-block "lanes" formats whose scales live in
-data, scale/bias) with kind >= 0; float formats (F32/F16/BF16) use fweight, kind = -1 and
-float_format 0/1/2.
+A weight matrix travels as one `Weights` named tuple of uniform type (minillm/weights.py builds
+it), so one compiled layer serves every format mix; a layer's view of its KV cache is a `KVView`.
 """
 import math
+from typing import NamedTuple
 
 import numba as nb
 import numpy as np
@@ -23,7 +20,50 @@ from .float_matmul import FLOAT_BF16, FLOAT_F16, FLOAT_F32, float_matmul
 from .k_quants import qmatmul_k_lanes
 from .lanes import qmatmul_lanes, qmatmul_lanes3
 from .matmul import (KIND_Q8_1, PRODUCT_K_LANES, PRODUCT_K_LANES_8X8, PRODUCT_LANES, PRODUCT_LANES_BLOCKS, PRODUCT_Q4_K,
-                     PRODUCT_Q6_K, ROW_BY_ROW, qmatmul_q4_k, qmatmul_q6_k, quantize_act)
+                     PRODUCT_Q6_K, qmatmul_q4_k, qmatmul_q6_k, quantize_act)
+
+
+
+class Weights(NamedTuple):
+    """A weight matrix (n_rows outputs) as the compiled layers take it. Quantized formats use
+    data (and, but for the 32-block "lanes" formats whose scales live in data, scale and bias)
+    with kind >= 0; float formats (F32/F16/BF16) use fweight, kind -1 and float_format."""
+    data: np.ndarray          # uint8 (flat tiles): codes (and a lanes format's scales)
+    scale: np.ndarray         # (NT, K/G, R) float32; the K-quants' int8 sub-block scales in its bytes
+    bias: np.ndarray          # (NT, K/G or 0, R) likewise: mins
+    offset: int               # code offset (Q4_0: 8; formats with a min: 0)
+    bits: int                 # code width in data
+    fweight: np.ndarray       # (N, K) float32 of a float format, else (0, 0)
+    n_rows: int
+    group: int                # values a scale covers
+    kind: int                 # the activation quantization it pairs with (matmul.KIND_*), -1 for floats
+    float_format: int         # FLOAT_F32/F16/BF16 (float formats)
+    sb: np.ndarray            # K-quants: each super-block's d and dmin, tiled
+    product: int              # how llama.cpp's x86 backend sums it (matmul.PRODUCT_*)
+    row_by_row: bool          # each batch row multiplied as if alone (where the sums follow the batch size)
+
+
+class Paging(NamedTuple):
+    """How rows find their cells: in the batching scheduler's shared pool, each row's sequence
+    and its block table; for one sequence's own cache NO_PAGING (or, computing each row alone,
+    row_seq with no tables: shift -1)."""
+    row_seq: np.ndarray       # (T,) int64 each row's sequence; (0,) for one sequence's own cache
+    tables: np.ndarray        # (n_seq, blocks) int64 block tables
+    shift: int                # blocks of 2^shift rows; -1: the slots are the cache's rows
+    n_slots: int              # slots each sequence sees
+
+
+class KVView(NamedTuple):
+    """A layer's cache as the layer gets it (kernels/cuda/layers.py has its own, without paging)."""
+    k: np.ndarray             # (S, Hkv, D) uint16 (f16) or uint8 blocks (q8_0/q4_0)
+    v: np.ndarray
+    kv_pos: np.ndarray        # (S,) int64 the position each row holds (-1: empty)
+    slots: np.ndarray         # (T,) int64 the rows this batch's k/v go to
+    n_keep: int               # attention-sink tokens kept when the ring wraps
+    paging: Paging
+
+
+NO_PAGING = Paging(np.zeros(0, np.int64), np.zeros((0, 0), np.int64), -1, 0)
 
 _SPLIT_BF16 = np.float32(65537.0)  # 2^(24-8) + 1: keeps bfloat16's 8 significant bits
 
@@ -69,23 +109,22 @@ def _round_to_format(x, fmt):
 @nb.njit(**_WRAPPER)
 def _apply(w, x, act):
     """out (T, N) = x @ W.T with act = quantize(x, W's kind) (unused for float weights)."""
-    data, scale, bias, offset, bits, fweight, n_rows, group, kind, float_format, sb, product = w
+    data, scale, bias, offset, bits = w.data, w.scale, w.bias, w.offset, w.bits
+    product, row_by_row = w.product, w.row_by_row
     T = x.shape[0]
-    out = np.empty((T, n_rows), np.float32)
-    if kind < 0:
-        float_matmul(fweight, _round_to_format(x, float_format), float_format, out)
+    out = np.empty((T, w.n_rows), np.float32)
+    if w.kind < 0:
+        float_matmul(w.fweight, _round_to_format(x, w.float_format), w.float_format, out)
         return out
     q, d16, s16, n16, d32, s32, n32, n4 = act
-    row_by_row = product >= ROW_BY_ROW
-    product = product % ROW_BY_ROW
     if product == PRODUCT_LANES or product == PRODUCT_LANES_BLOCKS:
-        qmatmul_lanes(data, bits, kind == KIND_Q8_1, offset, product == PRODUCT_LANES_BLOCKS, q, d32, s32, n4, out)
+        qmatmul_lanes(data, bits, w.kind == KIND_Q8_1, offset, product == PRODUCT_LANES_BLOCKS, q, d32, s32, n4, out)
     elif product == PRODUCT_Q4_K:  # integer scales: int8 bytes in the float32 slots
-        qmatmul_q4_k(data, scale.view(np.int8), bias.view(np.int8), sb, q, d32, n32, row_by_row, out)
+        qmatmul_q4_k(data, scale.view(np.int8), bias.view(np.int8), w.sb, q, d32, n32, row_by_row, out)
     elif product == PRODUCT_Q6_K:
-        qmatmul_q6_k(data, scale.view(np.int8), sb, q, d32, n4, n16, row_by_row, out)
+        qmatmul_q6_k(data, scale.view(np.int8), w.sb, q, d32, n4, n16, row_by_row, out)
     elif product == PRODUCT_K_LANES or product == PRODUCT_K_LANES_8X8:
-        qmatmul_k_lanes(data, scale.view(np.int8), bias.view(np.int8), sb, bits == 4, offset, q, d32, n4, n16,
+        qmatmul_k_lanes(data, scale.view(np.int8), bias.view(np.int8), w.sb, bits == 4, offset, q, d32, n4, n16,
                         row_by_row, product == PRODUCT_K_LANES_8X8, out)
     return out
 
@@ -93,27 +132,27 @@ def _apply(w, x, act):
 @nb.njit(**_WRAPPER)
 def linear(w, x):
     """out (T, N) = x (T, K) @ W.T, activations quantized as llama.cpp pairs them with W."""
-    return _apply(w, x, quantize(x, max(w[8], 0)))
+    return _apply(w, x, quantize(x, max(w.kind, 0)))
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
 def _lanes_together(w1, w2, w3):
     """Whether the products can run as one qmatmul_lanes3: one 32-block format (so one code
     offset and layout, and the same activations) for all (w3 may repeat w1 when there are two)."""
-    return ((w1[11] == PRODUCT_LANES or w1[11] == PRODUCT_LANES_BLOCKS) and w2[11] == w1[11] and w3[11] == w1[11]
-            and w1[8] == w2[8] and w1[8] == w3[8] and w1[8] >= 0 and w1[3] == w2[3] and w1[3] == w3[3]
-            and w1[4] == w2[4] and w1[4] == w3[4])
+    return ((w1.product == PRODUCT_LANES or w1.product == PRODUCT_LANES_BLOCKS) and w2.product == w1.product
+            and w3.product == w1.product and w1.kind == w2.kind and w1.kind == w3.kind and w1.kind >= 0
+            and w1.offset == w2.offset and w1.offset == w3.offset and w1.bits == w2.bits and w1.bits == w3.bits)
 
 
 @nb.njit(**_WRAPPER)
 def _lanes3(w1, w2, w3, n_mats, x):
     """(x @ W1.T, x @ W2.T, x @ W3.T or None-like) in one parallel region (see _lanes_together)."""
-    q, d16, s16, n16, d32, s32, n32, n4 = quantize(x, w1[8])
+    q, d16, s16, n16, d32, s32, n32, n4 = quantize(x, w1.kind)
     T = x.shape[0]
-    o1, o2 = np.empty((T, w1[6]), np.float32), np.empty((T, w2[6]), np.float32)
-    o3 = np.empty((T, w3[6] if n_mats == 3 else 0), np.float32)
-    qmatmul_lanes3(w1[0], w2[0], w3[0], w1[4], w1[8] == KIND_Q8_1, w1[3], w1[11] == PRODUCT_LANES_BLOCKS,
-                   q, d32, s32, n4, o1, o2, o3)
+    o1, o2 = np.empty((T, w1.n_rows), np.float32), np.empty((T, w2.n_rows), np.float32)
+    o3 = np.empty((T, w3.n_rows if n_mats == 3 else 0), np.float32)
+    qmatmul_lanes3(w1.data, w2.data, w3.data, w1.bits, w1.kind == KIND_Q8_1, w1.offset,
+                   w1.product == PRODUCT_LANES_BLOCKS, q, d32, s32, n4, o1, o2, o3)
     return o1, o2, o3
 
 
@@ -123,8 +162,8 @@ def linear2(w1, w2, x):
     if _lanes_together(w1, w2, w1):
         o1, o2, _ = _lanes3(w1, w2, w1, 2, x)
         return o1, o2
-    a1 = quantize(x, max(w1[8], 0))
-    a2 = a1 if w2[8] == w1[8] else quantize(x, max(w2[8], 0))
+    a1 = quantize(x, max(w1.kind, 0))
+    a2 = a1 if w2.kind == w1.kind else quantize(x, max(w2.kind, 0))
     return _apply(w1, x, a1), _apply(w2, x, a2)
 
 
@@ -133,9 +172,9 @@ def linear3(w1, w2, w3, x):
     """(x @ W1.T, x @ W2.T, x @ W3.T), quantizing x once per distinct activation kind."""
     if _lanes_together(w1, w2, w3):
         return _lanes3(w1, w2, w3, 3, x)
-    a1 = quantize(x, max(w1[8], 0))
-    a2 = a1 if w2[8] == w1[8] else quantize(x, max(w2[8], 0))
-    a3 = a1 if w3[8] == w1[8] else (a2 if w3[8] == w2[8] else quantize(x, max(w3[8], 0)))
+    a1 = quantize(x, max(w1.kind, 0))
+    a2 = a1 if w2.kind == w1.kind else quantize(x, max(w2.kind, 0))
+    a3 = a1 if w3.kind == w1.kind else (a2 if w3.kind == w2.kind else quantize(x, max(w3.kind, 0)))
     return _apply(w1, x, a1), _apply(w2, x, a2), _apply(w3, x, a3)
 
 
@@ -146,23 +185,15 @@ def norm(x, weight, eps):
     return out
 
 
-# The kv tuple a layer gets: (kcache, vcache (S, Hkv, D) uint16, kv_pos (S,) int64, slots (T,)
-# int64 the cache rows this batch's k/v go to, n_keep, paging). paging is NO_PAGING for one
-# sequence's own cache; for the batching scheduler's shared pool (minillm/serving/kv_pool.py) it is
-# (row_seq (T,) each row's sequence, tables (n_seq, blocks) int64 its block table, shift (blocks
-# of 2^shift rows), n_slots (each sequence's slots)), and every row is computed as if alone.
-NO_PAGING = (np.zeros(0, np.int64), np.zeros((0, 0), np.int64), -1, 0)
-
-
 @nb.njit(**_WRAPPER)
 def attend(q, k, v, positions, kv, window, scale, softcap, n_heads, n_kv_heads, head_dim):
-    """Store this batch's k/v at their slots, then attention of q over the cache."""
-    kcache, vcache, kv_pos, slots, n_keep, paging = kv
-    for i in range(slots.shape[0]):
-        kv_pos[slots[i]] = positions[i]
+    """Store this batch's k/v at their slots, then attention of q over the cache (kv: a KVView;
+    with a pool's paging every row is computed as if alone)."""
+    for i in range(kv.slots.shape[0]):
+        kv.kv_pos[kv.slots[i]] = positions[i]
     out = np.empty((q.shape[0], n_heads * head_dim), np.float32)
-    _store_and_attend(q, k, v, positions, kcache, vcache, kv_pos, slots, n_keep, paging, window, scale, softcap,
-                      n_heads, n_kv_heads, head_dim, out)
+    _store_and_attend(q, k, v, positions, kv.k, kv.v, kv.kv_pos, kv.slots, kv.n_keep, kv.paging, window, scale,
+                      softcap, n_heads, n_kv_heads, head_dim, out)
     return out
 
 

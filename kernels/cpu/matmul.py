@@ -41,10 +41,9 @@ PRODUCT_LANES, PRODUCT_Q4_K, PRODUCT_Q6_K, PRODUCT_K_LANES, PRODUCT_LANES_BLOCKS
 TILED_MIN_ROWS = 8
 PRODUCT_IDS = {"lanes": PRODUCT_LANES, "q4_k": PRODUCT_Q4_K, "q6_k": PRODUCT_Q6_K, "k_lanes": PRODUCT_K_LANES,
                "lanes_blocks": PRODUCT_LANES_BLOCKS, "k_lanes_8x8": PRODUCT_K_LANES_8X8}
-# Added to a weight tuple's product id: every batch row is computed as if it were alone (the
-# one-token kernel for every row), so a row's result never depends on the rows beside it (the
-# batching scheduler). Only the products whose arithmetic follows the batch size need it.
-ROW_BY_ROW = 8
+# The products whose arithmetic follows the batch size: for the batching scheduler their
+# Weights say row_by_row (every batch row through the one-token kernel, so that a row's result
+# never depends on the rows beside it).
 BATCH_DEPENDENT = (PRODUCT_Q4_K, PRODUCT_Q6_K, PRODUCT_K_LANES, PRODUCT_K_LANES_8X8)
 
 

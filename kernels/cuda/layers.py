@@ -6,9 +6,8 @@ Same names, arguments and results as kernels/cpu/layers.py, over device arrays:
                       takes) or a float32 (width,) device vector (norms)
     positions         int64 (T,) device array
     rope_table        (cos, sin) float32 (T, rope_dims/2) device arrays: the CPU's tables, uploaded
-    kv                (kcache, vcache (S, Hkv, D) float16, kv_pos (S,) int64, slots (T,) int64,
-                       n_keep), as kernels/cpu/layers.py's
-so that `Transformer.layer_with_ops(this module)` runs an architecture's layer on the GPU.
+    kv                a DeviceKV: the CPU's KVView without paging (one sequence's own cache)
+so that `Backend.layer_with_ops(this module)` runs an architecture's layer on the GPU.
 
 Results are taken from POOL, device buffers reused from one layer to the next: the backend
 calls `recycle(keep)` once a layer is done, which hands every buffer but `keep` back. (numba
@@ -22,6 +21,7 @@ rope_attend rotates q and k, add(x, y) computes x + y into y, add_bias and scale
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda
@@ -30,6 +30,17 @@ from .attention import attention
 from .matmul import FWeights, QWeights, fmatmul, qmatmul
 from .norm_quant import QActivations, quantize, rmsnorm
 from .ops import _launch, add_inplace, add_rows_kernel, geglu as geglu_into, rope_store_kv, scale_kernel, swiglu as swiglu_into
+
+
+
+class DeviceKV(NamedTuple):
+    """A layer's cache on the device, as rope_attend takes it."""
+    k: object                 # (S, Hkv, D) float16 device array
+    v: object
+    kv_pos: object            # (S,) int64: the position each row holds (-1: empty)
+    slots: object             # (T,) int64: the rows this batch's k/v go to
+    n_keep: int               # attention-sink tokens kept when the ring wraps
+
 
 FLOAT_KIND = -1  # DeviceMatrix.kind of float weights: activations are rounded, not quantized
 
@@ -160,11 +171,10 @@ def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, s
     products, and f16(q * s) * (dot scale) == f16(q) * (s * dot scale) exactly when s is a power
     of two (Gemma 3's 1/sqrt(256)); otherwise the two differ by one f16 rounding of q."""
     cos_t, sin_t = rope_table
-    kcache, vcache, kv_pos, slots, n_keep = kv
-    rope_store_kv(q, k, v, positions, slots, n_heads, rope_dims, cos_t, sin_t, neox, kcache, vcache, kv_pos)
+    rope_store_kv(q, k, v, positions, kv.slots, n_heads, rope_dims, cos_t, sin_t, neox, kv.k, kv.v, kv.kv_pos)
     out = POOL.take((q.shape[0], n_heads * head_dim))
     scale = np.float32(np.float32(kq_scale) * np.float32(q_scale))
-    return attention(q, positions, kcache, vcache, kv_pos, n_keep, window, scale, softcap, n_heads, out)
+    return attention(q, positions, kv.k, kv.v, kv.kv_pos, kv.n_keep, window, scale, softcap, n_heads, out)
 
 
 def add_bias(x, bias):

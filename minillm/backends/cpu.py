@@ -8,7 +8,7 @@ from contextlib import nullcontext
 import numpy as np
 
 from ..kernels.cpu import ops
-from ..kernels.cpu.layers import NO_PAGING, linear
+from ..kernels.cpu.layers import NO_PAGING, KVView, Weights, linear
 from ..kv_cache import KVCache
 from ..memory import release_compiler_pages
 from ..weights import Matrix, row_by_row
@@ -27,8 +27,8 @@ class CpuBackend(Backend):
     def vector(self, name: str) -> np.ndarray:
         return self.arch.vector(name)
 
-    def matrix(self, name: str, rows: tuple[int, int] | None = None) -> tuple:
-        """The packed tuple the compiled layers take (weights.Matrix, kernels/cpu/layers.py)."""
+    def matrix(self, name: str, rows: tuple[int, int] | None = None) -> Weights:
+        """The Weights the compiled layers take (weights.Matrix, kernels/cpu/layers.py)."""
         gguf = self.arch.gguf
         info = gguf.tensors[name]
         r0, r1 = rows or (0, info.shape[1])
@@ -53,19 +53,19 @@ class CpuBackend(Backend):
         return self.output_logits(x[logits_from - out_from:], self.output)
 
     @staticmethod
-    def cache_kv(cache, il: int) -> tuple:
+    def cache_kv(cache, il: int) -> KVView:
         """Layer il's view of one sequence's cache, as the CPU layers take it (kernels/cpu/layers.py)."""
         kc, vc, group, slots = cache.layer(il)
-        return kc, vc, group.kv_pos, slots, group.n_keep, NO_PAGING
+        return KVView(kc, vc, group.kv_pos, slots, group.n_keep, NO_PAGING)
 
     def forward_rows(self, ids: np.ndarray, positions: np.ndarray, kv_of, out_from: int, n_ctx: int) -> np.ndarray:
         """The batching scheduler's forward: rows of several sequences (ids, positions (T,)),
         each computed exactly as if it were evaluated alone, one token at a time (one kernel
-        path per row, whatever the other rows). kv_of(il): layer il's kv tuple over the shared
+        path per row, whatever the other rows). kv_of(il): layer il's KVView over the shared
         pool (minillm/serving/kv_pool.py); n_ctx: the positions each sequence may hold. Logits
         (T - out_from, V) of the rows from out_from on."""
         if self.row_layers is None:
-            self.row_layers = [tuple(row_by_row(w) if isinstance(w, tuple) else w for w in layer)
+            self.row_layers = [tuple(row_by_row(w) if isinstance(w, Weights) else w for w in layer)
                                for layer in self.layers]
         x = self.run_layers(ids, positions, kv_of, out_from, self.row_layers, n_ctx)
         return self.output_logits(x, row_by_row(self.output))
@@ -78,14 +78,14 @@ class CpuBackend(Backend):
 
         def kv_of(il):
             kc, vc, group, slots = cache.layer(il)
-            return kc, vc, group.kv_pos, slots, group.n_keep, cache.paging(il, len(ids))
+            return KVView(kc, vc, group.kv_pos, slots, group.n_keep, cache.paging(il, len(ids)))
 
         logits = self.forward_rows(ids, positions, kv_of, 0, cache.n_ctx)
         cache.commit(len(ids))
         return logits
 
     def output_logits(self, x: np.ndarray, output) -> np.ndarray:
-        """Logits (T, V) of hidden states x (T, E): final norm, output product (its packed tuple)."""
+        """Logits (T, V) of hidden states x (T, E): final norm, output product (its Weights)."""
         if x.shape[0] == 0:
             return np.empty((0, self.hp.n_vocab), np.float32)
         xn = np.empty_like(x)

@@ -21,7 +21,7 @@ from ..kernels.cpu.unpack import dequantize, unpack
 from ..kernels.cuda import layers as cuda_layers
 from ..kernels.cuda import rmsnorm, upload_float_matrix, upload_matrix
 from ..kernels.cuda.attention import MAX_HEAD_DIM
-from ..kernels.cuda.layers import FLOAT_KIND, DeviceMatrix
+from ..kernels.cuda.layers import FLOAT_KIND, DeviceKV, DeviceMatrix
 from ..kernels.cuda.matmul import MATVEC_MAX_T
 from ..kernels.cuda.norm_quant import MAX_K
 from ..kv_cache import F16_CACHE, KVCache
@@ -57,11 +57,11 @@ class CudaKVCache(KVCache):
             self.groups[name].kv_pos[self._slots[name]] = positions
         super().commit(n)
 
-    def device_kv(self, il: int) -> tuple:
-        """The kv tuple of kernels/cuda/layers.py for layer il."""
+    def device_kv(self, il: int) -> DeviceKV:
+        """Layer il's cache as kernels/cuda/layers.py takes it."""
         name = self.layer_groups[il]
-        group = self.groups[name]
-        return (self.k[il], self.v[il], self.device_kv_pos[name], self.device_slots[name], group.n_keep)
+        return DeviceKV(self.k[il], self.v[il], self.device_kv_pos[name], self.device_slots[name],
+                        self.groups[name].n_keep)
 
     def truncate(self, n: int) -> None:
         super().truncate(n)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import MinillmError
+from ..kernels.cpu.layers import KVView, Paging
 from ..kv_cache import F16_CACHE, cache_arrays, cache_bytes
 
 SHIFT = 4
@@ -151,7 +152,7 @@ class KVPool:
         return all(n_past <= g.n_slots for g in self.groups.values())
 
     def batch_kv(self, row_seq: np.ndarray, positions: np.ndarray):
-        """kv_of(il) for Transformer.forward_rows: each layer's kv tuple for a batch of rows
+        """kv_of(il) for Backend.forward_rows: each layer's KVView for a batch of rows
         (row_seq (T,) their sequences, positions (T,)), their rows computed once per group."""
         views = {}
         for name, g in self.groups.items():
@@ -159,10 +160,10 @@ class KVPool:
             for seq in np.unique(row_seq):
                 sel = row_seq == seq
                 rows[sel] = g.rows_of(int(seq), positions[sel])
-            views[name] = (g.kv_pos, rows, (row_seq, g.tables, SHIFT, g.n_slots))
+            views[name] = (g.kv_pos, rows, Paging(row_seq, g.tables, SHIFT, g.n_slots))
 
-        def kv_of(il: int):
+        def kv_of(il: int) -> KVView:
             kv_pos, rows, paging = views[self.layer_groups[il]]
-            return self.k[il], self.v[il], kv_pos, rows, 0, paging
+            return KVView(self.k[il], self.v[il], kv_pos, rows, 0, paging)
 
         return kv_of
