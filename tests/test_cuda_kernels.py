@@ -332,3 +332,17 @@ def test_every_kernel_compiles_to_ptx():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     n_signatures = sum(len(spec.signatures) for spec in gpu.KERNELS.values())
     assert f"compiled {n_signatures} kernel signatures for sm_90" in proc.stdout
+
+
+def test_kernels_compile_where_numpy_has_no_row_stack():
+    """numpy 2.5 removed np.row_stack, for which numba-cuda 0.30 registers an overload: without
+    kernels/cuda's alias every compile fails. Here numpy is made to lack it, as 2.5 does."""
+    probe = ("import numpy; del numpy.row_stack\n"
+             "from numba import cuda\n"
+             "from minillm.kernels.cuda import KERNELS\n"
+             "spec = KERNELS['scale_kernel']\n"
+             "ptx, _ = cuda.compile_ptx(spec.pyfunc, spec.signatures[0], cc=(9, 0))\n"
+             "print('.entry' in ptx)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env=cuda_env.environment_for_ptx_check(), timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-2000:]

@@ -326,3 +326,14 @@ def test_skipped_layers_leave_the_same_layers_out_on_both_backends(model_files):
     cpu.backend.skipped_layers = frozenset()
     assert not np.array_equal(cpu.logits(ids), skipped)
 
+
+def test_a_toolchain_that_cannot_compile_is_one_clear_error(model_files, monkeypatch):
+    backend = cuda_backend(model_files["llama-small-formats"])
+
+    def broken(*args):
+        raise AttributeError("module 'numpy' has no attribute 'row_stack'")
+
+    monkeypatch.setattr(backend, "forward", broken)
+    with pytest.raises(minillm.MinillmError, match=r"do not compile with numba-cuda [\d.]+, numba [\d.]+ and "
+                                                   r"numpy [\d.]+ \(AttributeError: .*row_stack"):
+        backend.warm_up()

@@ -14,7 +14,15 @@ Modules:
     ops         RoPE + KV store, SwiGLU, GeGLU, residual add
     attention   attention over the f16 KV cache
 """
-from .attention import attention, attention_kernel
+import numpy as _np
+
+# numba-cuda 0.30 registers an overload for np.row_stack, which numpy 2.5 removed: every kernel
+# compile then fails with "module 'numpy' has no attribute 'row_stack'". row_stack was an alias
+# of vstack, so the alias is put back where it is missing, before numba-cuda first compiles.
+if not hasattr(_np, "row_stack"):
+    _np.row_stack = _np.vstack
+
+from .attention import attention, attention_kernel  # noqa: E402 (after the numpy alias)
 from .matmul import (
     FWeights, QWeights, fmatmul, gpu_layout, qmatmul, round_activations, upload_float_matrix, upload_matrix,
 )

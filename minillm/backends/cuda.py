@@ -168,6 +168,17 @@ class CudaBackend(Backend):
 
     def warm_up(self, on_compile=None) -> None:
         """Compile the kernels (numba compiles each on its first launch): a one-token step
-        (matrix-vector kernels) and a short batch (tiled kernels)."""
-        for n in (1, MATVEC_MAX_T + 1):
-            self.forward(np.zeros(n, np.int64), self.new_cache(n), n - 1)
+        (matrix-vector kernels) and a short batch (tiled kernels). A toolchain that cannot
+        compile them (a numba-cuda that does not work with the installed numpy, a missing NVVM)
+        is one MinillmError that names the versions."""
+        try:
+            for n in (1, MATVEC_MAX_T + 1):
+                self.forward(np.zeros(n, np.int64), self.new_cache(n), n - 1)
+        except MinillmError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (whatever the CUDA toolchain raises)
+            from importlib.metadata import version
+
+            raise MinillmError(f"the CUDA kernels do not compile with numba-cuda {version('numba-cuda')}, "
+                               f"numba {version('numba')} and numpy {np.__version__} ({type(exc).__name__}: "
+                               f"{exc})") from exc
