@@ -1,6 +1,6 @@
 """Speculative decoding: guess the next few tokens cheaply, then evaluate the last sampled
 token and the guesses in one pass, each row computed as that token alone would be
-(Transformer.forward_each_alone), so every row's logits are those plain decoding would see.
+(Backend.forward_each_alone), so every row's logits are those plain decoding would see.
 Each guess is then accepted or replaced by the sampler (Sampler.verify), and the rows after
 a replaced guess are dropped from the cache. Greedy output is token for token plain decoding's;
 sampled output has its distribution.

@@ -11,7 +11,7 @@ Requests join a running batch at token boundaries and leave when they finish. Ea
      decode, so that they keep flowing); cells come from the pool in blocks
      (kv_pool.py), and when it runs dry idle slots' cached cells are evicted, then the lowest
      priority running request is preempted;
-  4. one forward over all rows (Transformer.forward_rows): the weights stream once for the step;
+  4. one forward over all rows (Backend.forward_rows): the weights stream once for the step;
   5. every sequence whose rows reached its last token samples one (its own sampler and seed),
      streams a Chunk, and leaves when finished.
 
@@ -291,7 +291,7 @@ class Scheduler:
         if request.max_tokens < 0:
             raise MinillmError(f"max_tokens must be at least 0, not {request.max_tokens}")
         if request.draft and self.draft is None:
-            raise MinillmError("draft: no draft model was given (--draft FILE, or Scheduler(draft=...))")
+            raise MinillmError("draft: no draft model was given (Scheduler(draft=...))")
         if request.draft and request.lookup:
             raise MinillmError("choose a draft model or prompt lookup, not both")
         job = _Job(self, request, ids, next(self._arrivals))
