@@ -17,7 +17,7 @@ import numpy as np
 
 from .errors import MinillmError
 from .kernels.cpu.lanes import aligned_zeros
-from .kernels.cpu.layers import Paging
+from .kernels.cpu.layers import Paging, plain
 
 # llama.cpp's -ctk/-ctv names -> (cache dtype, row length for head_dim values): F16 as bit
 # patterns, the block formats as their bytes (kernels/cpu/attention_q.py)
@@ -134,11 +134,11 @@ class KVCache:
     def commit(self, n: int) -> None:
         self.n_past += n
 
-    def paging(self, il: int, n_rows: int) -> Paging:
+    def paging(self, il: int, n_rows: int) -> tuple:
         """Layer il's own slots as attention_rows reads a pool (no block table: shift -1), for
         rows each computed as a lone token (CpuBackend.forward_each_alone)."""
         group = self.groups[self.layer_groups[il]]
-        return Paging(np.zeros(n_rows, np.int64), np.zeros((1, 1), np.int64), -1, group.n_slots)
+        return plain(Paging(np.zeros(n_rows, np.int64), np.zeros((1, 1), np.int64), -1, group.n_slots))
 
     def layer(self, il: int):
         """(k (S, Hkv, D), v (S, Hkv, D), its CacheGroup, slots of this batch) for layer il."""

@@ -16,12 +16,12 @@ _NO_SCALES = np.zeros((0, 0, mm.R), np.float32)
 _NO_FLOATS = np.zeros((0, 0), np.float32)
 
 
-def row_by_row(packed: layers.Weights) -> layers.Weights:
-    """The same weights (shared arrays) with every batch row multiplied as if alone, where the
-    arithmetic otherwise follows the batch size (kernels/cpu/matmul.py BATCH_DEPENDENT)."""
-    if packed.product in mm.BATCH_DEPENDENT:
-        return packed._replace(row_by_row=True)
-    return packed
+def row_by_row(packed: tuple) -> tuple:
+    """The same weights (shared arrays; a Weights or its plain tuple) with every batch row
+    multiplied as if alone, where the arithmetic otherwise follows the batch size
+    (kernels/cpu/matmul.py BATCH_DEPENDENT): a plain tuple, as compiled calls take it."""
+    w = layers.Weights(*packed)
+    return layers.plain(w._replace(row_by_row=True) if w.product in mm.BATCH_DEPENDENT else w)
 
 
 class Matrix:

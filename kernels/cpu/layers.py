@@ -1,8 +1,13 @@
 """Building blocks that architectures compose inside one compiled function per layer, so a
 decode step costs one Python -> Numba call per layer instead of one per operation.
 
-A weight matrix travels as one `Weights` named tuple of uniform type (minillm/weights.py builds
-it), so one compiled layer serves every format mix; a layer's view of its KV cache is a `KVView`.
+A weight matrix travels as the fields of one `Weights` named tuple, of uniform type
+(minillm/weights.py builds it), so one compiled layer serves every format mix; a layer's view of
+its KV cache is a `KVView`. Both cross into compiled code as plain tuples (`plain`): Numba's
+dispatcher reads a plain tuple's types in C but a named tuple's in Python, 3-4x the time of each
+layer call (3.7 against 10-14 us for a layer's weights, measured). Compiled code unpacks them
+into named locals, or reads one field by its index constant (W_KIND...); it does not build the
+named tuples again (KVView(*kv) built inside `attend` left kv_pos unwritten here, Numba 0.68).
 """
 import math
 from typing import NamedTuple
@@ -43,6 +48,11 @@ class Weights(NamedTuple):
     row_by_row: bool          # each batch row multiplied as if alone (where the sums follow the batch size)
 
 
+# a Weights field's index in the plain tuple, for compiled code
+W_DATA, W_OFFSET, W_BITS, W_N_ROWS, W_KIND, W_PRODUCT = (Weights._fields.index(name) for name in (
+    "data", "offset", "bits", "n_rows", "kind", "product"))
+
+
 class Paging(NamedTuple):
     """How rows find their cells: in the batching scheduler's shared pool, each row's sequence
     and its block table; for one sequence's own cache NO_PAGING (or, computing each row alone,
@@ -63,7 +73,12 @@ class KVView(NamedTuple):
     paging: Paging
 
 
-NO_PAGING = Paging(np.zeros(0, np.int64), np.zeros((0, 0), np.int64), -1, 0)
+def plain(fields: tuple) -> tuple:
+    """A named tuple (Weights, KVView, Paging) as the plain tuple compiled calls take."""
+    return tuple(fields)
+
+
+NO_PAGING = plain(Paging(np.zeros(0, np.int64), np.zeros((0, 0), np.int64), -1, 0))
 
 _SPLIT_BF16 = np.float32(65537.0)  # 2^(24-8) + 1: keeps bfloat16's 8 significant bits
 
@@ -109,22 +124,21 @@ def _round_to_format(x, fmt):
 @nb.njit(**_WRAPPER)
 def _apply(w, x, act):
     """out (T, N) = x @ W.T with act = quantize(x, W's kind) (unused for float weights)."""
-    data, scale, bias, offset, bits = w.data, w.scale, w.bias, w.offset, w.bits
-    product, row_by_row = w.product, w.row_by_row
+    data, scale, bias, offset, bits, fweight, n_rows, group, kind, float_format, sb, product, row_by_row = w
     T = x.shape[0]
-    out = np.empty((T, w.n_rows), np.float32)
-    if w.kind < 0:
-        float_matmul(w.fweight, _round_to_format(x, w.float_format), w.float_format, out)
+    out = np.empty((T, n_rows), np.float32)
+    if kind < 0:
+        float_matmul(fweight, _round_to_format(x, float_format), float_format, out)
         return out
     q, d16, s16, n16, d32, s32, n32, n4 = act
     if product == PRODUCT_LANES or product == PRODUCT_LANES_BLOCKS:
-        qmatmul_lanes(data, bits, w.kind == KIND_Q8_1, offset, product == PRODUCT_LANES_BLOCKS, q, d32, s32, n4, out)
+        qmatmul_lanes(data, bits, kind == KIND_Q8_1, offset, product == PRODUCT_LANES_BLOCKS, q, d32, s32, n4, out)
     elif product == PRODUCT_Q4_K:  # integer scales: int8 bytes in the float32 slots
-        qmatmul_q4_k(data, scale.view(np.int8), bias.view(np.int8), w.sb, q, d32, n32, row_by_row, out)
+        qmatmul_q4_k(data, scale.view(np.int8), bias.view(np.int8), sb, q, d32, n32, row_by_row, out)
     elif product == PRODUCT_Q6_K:
-        qmatmul_q6_k(data, scale.view(np.int8), w.sb, q, d32, n4, n16, row_by_row, out)
+        qmatmul_q6_k(data, scale.view(np.int8), sb, q, d32, n4, n16, row_by_row, out)
     elif product == PRODUCT_K_LANES or product == PRODUCT_K_LANES_8X8:
-        qmatmul_k_lanes(data, scale.view(np.int8), bias.view(np.int8), w.sb, bits == 4, offset, q, d32, n4, n16,
+        qmatmul_k_lanes(data, scale.view(np.int8), bias.view(np.int8), sb, bits == 4, offset, q, d32, n4, n16,
                         row_by_row, product == PRODUCT_K_LANES_8X8, out)
     return out
 
@@ -132,27 +146,28 @@ def _apply(w, x, act):
 @nb.njit(**_WRAPPER)
 def linear(w, x):
     """out (T, N) = x (T, K) @ W.T, activations quantized as llama.cpp pairs them with W."""
-    return _apply(w, x, quantize(x, max(w.kind, 0)))
+    return _apply(w, x, quantize(x, max(w[W_KIND], 0)))
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
 def _lanes_together(w1, w2, w3):
     """Whether the products can run as one qmatmul_lanes3: one 32-block format (so one code
     offset and layout, and the same activations) for all (w3 may repeat w1 when there are two)."""
-    return ((w1.product == PRODUCT_LANES or w1.product == PRODUCT_LANES_BLOCKS) and w2.product == w1.product
-            and w3.product == w1.product and w1.kind == w2.kind and w1.kind == w3.kind and w1.kind >= 0
-            and w1.offset == w2.offset and w1.offset == w3.offset and w1.bits == w2.bits and w1.bits == w3.bits)
+    product, kind, offset, bits = w1[W_PRODUCT], w1[W_KIND], w1[W_OFFSET], w1[W_BITS]
+    return ((product == PRODUCT_LANES or product == PRODUCT_LANES_BLOCKS) and kind >= 0
+            and w2[W_PRODUCT] == product and w3[W_PRODUCT] == product and w2[W_KIND] == kind and w3[W_KIND] == kind
+            and w2[W_OFFSET] == offset and w3[W_OFFSET] == offset and w2[W_BITS] == bits and w3[W_BITS] == bits)
 
 
 @nb.njit(**_WRAPPER)
 def _lanes3(w1, w2, w3, n_mats, x):
     """(x @ W1.T, x @ W2.T, x @ W3.T or None-like) in one parallel region (see _lanes_together)."""
-    q, d16, s16, n16, d32, s32, n32, n4 = quantize(x, w1.kind)
+    q, d16, s16, n16, d32, s32, n32, n4 = quantize(x, w1[W_KIND])
     T = x.shape[0]
-    o1, o2 = np.empty((T, w1.n_rows), np.float32), np.empty((T, w2.n_rows), np.float32)
-    o3 = np.empty((T, w3.n_rows if n_mats == 3 else 0), np.float32)
-    qmatmul_lanes3(w1.data, w2.data, w3.data, w1.bits, w1.kind == KIND_Q8_1, w1.offset,
-                   w1.product == PRODUCT_LANES_BLOCKS, q, d32, s32, n4, o1, o2, o3)
+    o1, o2 = np.empty((T, w1[W_N_ROWS]), np.float32), np.empty((T, w2[W_N_ROWS]), np.float32)
+    o3 = np.empty((T, w3[W_N_ROWS] if n_mats == 3 else 0), np.float32)
+    qmatmul_lanes3(w1[W_DATA], w2[W_DATA], w3[W_DATA], w1[W_BITS], w1[W_KIND] == KIND_Q8_1, w1[W_OFFSET],
+                   w1[W_PRODUCT] == PRODUCT_LANES_BLOCKS, q, d32, s32, n4, o1, o2, o3)
     return o1, o2, o3
 
 
@@ -162,8 +177,9 @@ def linear2(w1, w2, x):
     if _lanes_together(w1, w2, w1):
         o1, o2, _ = _lanes3(w1, w2, w1, 2, x)
         return o1, o2
-    a1 = quantize(x, max(w1.kind, 0))
-    a2 = a1 if w2.kind == w1.kind else quantize(x, max(w2.kind, 0))
+    k1, k2 = w1[W_KIND], w2[W_KIND]
+    a1 = quantize(x, max(k1, 0))
+    a2 = a1 if k2 == k1 else quantize(x, max(k2, 0))
     return _apply(w1, x, a1), _apply(w2, x, a2)
 
 
@@ -172,9 +188,10 @@ def linear3(w1, w2, w3, x):
     """(x @ W1.T, x @ W2.T, x @ W3.T), quantizing x once per distinct activation kind."""
     if _lanes_together(w1, w2, w3):
         return _lanes3(w1, w2, w3, 3, x)
-    a1 = quantize(x, max(w1.kind, 0))
-    a2 = a1 if w2.kind == w1.kind else quantize(x, max(w2.kind, 0))
-    a3 = a1 if w3.kind == w1.kind else (a2 if w3.kind == w2.kind else quantize(x, max(w3.kind, 0)))
+    k1, k2, k3 = w1[W_KIND], w2[W_KIND], w3[W_KIND]
+    a1 = quantize(x, max(k1, 0))
+    a2 = a1 if k2 == k1 else quantize(x, max(k2, 0))
+    a3 = a1 if k3 == k1 else (a2 if k3 == k2 else quantize(x, max(k3, 0)))
     return _apply(w1, x, a1), _apply(w2, x, a2), _apply(w3, x, a3)
 
 
@@ -189,11 +206,12 @@ def norm(x, weight, eps):
 def attend(q, k, v, positions, kv, window, scale, softcap, n_heads, n_kv_heads, head_dim):
     """Store this batch's k/v at their slots, then attention of q over the cache (kv: a KVView;
     with a pool's paging every row is computed as if alone)."""
-    for i in range(kv.slots.shape[0]):
-        kv.kv_pos[kv.slots[i]] = positions[i]
+    kcache, vcache, kv_pos, slots, n_keep, paging = kv  # KVView's fields
+    for i in range(slots.shape[0]):
+        kv_pos[slots[i]] = positions[i]
     out = np.empty((q.shape[0], n_heads * head_dim), np.float32)
-    _store_and_attend(q, k, v, positions, kv.k, kv.v, kv.kv_pos, kv.slots, kv.n_keep, kv.paging, window, scale,
-                      softcap, n_heads, n_kv_heads, head_dim, out)
+    _store_and_attend(q, k, v, positions, kcache, vcache, kv_pos, slots, n_keep, paging, window, scale, softcap,
+                      n_heads, n_kv_heads, head_dim, out)
     return out
 
 

@@ -101,7 +101,6 @@ class Backend:
         """The hidden states (T - out_from, E) after every layer (those in skipped_layers left
         out); kv_of(il): layer il's KV view as this backend's layers take it."""
         arch = self.arch
-        self.start_pass()
         x = self.to_device(arch.embed(ids))                                 # (T, E)
         tables = self.tables_to_device(arch.rope_tables(positions, n_ctx))
         positions = self.to_device(positions)                               # (T,)
@@ -114,9 +113,6 @@ class Backend:
             x = layer(x, layers[il], positions, kv_of(il), out_from if il == last else 0, *arch.layer_args(il, tables))
             self.layer_done(x)
         return x if len(run) else x[out_from:]
-
-    def start_pass(self) -> None:
-        """Before a pass's first upload (CUDA: the buffers it keeps are counted from here)."""
 
     def to_device(self, array: np.ndarray):
         return array

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 import numpy as np
 
 from ..kernels.cpu import ops
-from ..kernels.cpu.layers import NO_PAGING, KVView, Weights, linear
+from ..kernels.cpu.layers import NO_PAGING, KVView, linear, plain
 from ..kv_cache import KVCache
 from ..memory import release_compiler_pages
 from ..weights import Matrix, row_by_row
@@ -27,15 +27,15 @@ class CpuBackend(Backend):
     def vector(self, name: str) -> np.ndarray:
         return self.arch.vector(name)
 
-    def matrix(self, name: str, rows: tuple[int, int] | None = None) -> Weights:
-        """The Weights the compiled layers take (weights.Matrix, kernels/cpu/layers.py)."""
+    def matrix(self, name: str, rows: tuple[int, int] | None = None) -> tuple:
+        """The matrix's Weights as the compiled layers take them: a plain tuple (kernels/cpu/layers.py)."""
         gguf = self.arch.gguf
         info = gguf.tensors[name]
         r0, r1 = rows or (0, info.shape[1])
         matrix = Matrix(name, info.format, gguf.raw(name)[r0:r1], r1 - r0, info.shape[0],
                         release=lambda a, b: gguf.release_pages(name, (r0 + a, r0 + b)))
         gguf.release_pages(name)
-        return matrix.packed
+        return plain(matrix.packed)
 
     # -- caches and forward passes ----------------------------------------------------
     def new_cache(self, n_ctx: int, n_keep: int = 0, batch_size: int = 512) -> KVCache:
@@ -53,10 +53,10 @@ class CpuBackend(Backend):
         return self.output_logits(x[logits_from - out_from:], self.output)
 
     @staticmethod
-    def cache_kv(cache, il: int) -> KVView:
-        """Layer il's view of one sequence's cache, as the CPU layers take it (kernels/cpu/layers.py)."""
+    def cache_kv(cache, il: int) -> tuple:
+        """Layer il's KVView of one sequence's cache, as the CPU layers take it (a plain tuple)."""
         kc, vc, group, slots = cache.layer(il)
-        return KVView(kc, vc, group.kv_pos, slots, group.n_keep, NO_PAGING)
+        return plain(KVView(kc, vc, group.kv_pos, slots, group.n_keep, NO_PAGING))
 
     def forward_rows(self, ids: np.ndarray, positions: np.ndarray, kv_of, out_from: int, n_ctx: int) -> np.ndarray:
         """The batching scheduler's forward: rows of several sequences (ids, positions (T,)),
@@ -65,7 +65,7 @@ class CpuBackend(Backend):
         pool (minillm/serving/kv_pool.py); n_ctx: the positions each sequence may hold. Logits
         (T - out_from, V) of the rows from out_from on."""
         if self.row_layers is None:
-            self.row_layers = [tuple(row_by_row(w) if isinstance(w, Weights) else w for w in layer)
+            self.row_layers = [tuple(row_by_row(w) if isinstance(w, tuple) else w for w in layer)
                                for layer in self.layers]
         x = self.run_layers(ids, positions, kv_of, out_from, self.row_layers, n_ctx)
         return self.output_logits(x, row_by_row(self.output))
@@ -78,7 +78,7 @@ class CpuBackend(Backend):
 
         def kv_of(il):
             kc, vc, group, slots = cache.layer(il)
-            return KVView(kc, vc, group.kv_pos, slots, group.n_keep, cache.paging(il, len(ids)))
+            return plain(KVView(kc, vc, group.kv_pos, slots, group.n_keep, cache.paging(il, len(ids))))
 
         logits = self.forward_rows(ids, positions, kv_of, 0, cache.n_ctx)
         cache.commit(len(ids))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import MinillmError
-from ..kernels.cpu.layers import KVView, Paging
+from ..kernels.cpu.layers import KVView, Paging, plain
 from ..kv_cache import F16_CACHE, cache_arrays, cache_bytes
 
 SHIFT = 4
@@ -160,10 +160,10 @@ class KVPool:
             for seq in np.unique(row_seq):
                 sel = row_seq == seq
                 rows[sel] = g.rows_of(int(seq), positions[sel])
-            views[name] = (g.kv_pos, rows, Paging(row_seq, g.tables, SHIFT, g.n_slots))
+            views[name] = (g.kv_pos, rows, plain(Paging(row_seq, g.tables, SHIFT, g.n_slots)))
 
-        def kv_of(il: int) -> KVView:
+        def kv_of(il: int) -> tuple:
             kv_pos, rows, paging = views[self.layer_groups[il]]
-            return KVView(self.k[il], self.v[il], kv_pos, rows, 0, paging)
+            return plain(KVView(self.k[il], self.v[il], kv_pos, rows, 0, paging))
 
         return kv_of
