@@ -34,7 +34,7 @@ class Model:
         self.gguf = GGUFFile(path)
         self.arch = get_architecture(self.gguf.architecture)(self.gguf)
         self.hp = self.arch.hp
-        self.device = resolve_device(device)
+        self.device, self.device_notice = resolve_device(device)  # a notice when a GPU went unused
         self.cache_types = check_cache_types(cache_types, self.hp.head_dim)  # (K, V): -ctk, -ctv
         self.backend = load_backend(self.arch, self.device, self.cache_types, progress)  # the weights, loaded
         self.gguf.release_pages()

@@ -182,3 +182,26 @@ def test_collector_is_off_while_starting_and_back_after():
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+def test_auto_device_runs_on_the_cpu_while_the_cuda_path_is_slower(monkeypatch, capsys):
+    """--device auto takes a GPU only where the CUDA path is the faster (not yet): with a GPU
+    present it runs on the CPU and says so once, on stderr."""
+    import os
+
+    from numba import cuda
+    from numba.core import config
+
+    from minillm import backends
+    from minillm.cli.app import load_model
+
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: p == "/dev/nvidiactl" or real_exists(p))
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(config, "ENABLE_CUDASIM", False)
+    assert backends.resolve_device("auto") == ("cpu", backends.SLOWER_GPU_NOTICE)
+    assert backends.resolve_device("cpu") == ("cpu", None)
+    model = load_model(model_path("smollm2"), None, "auto")
+    assert model.device == "cpu" and capsys.readouterr().err.count("CUDA path is still slower") == 1
+    monkeypatch.setattr(backends, "CUDA_FASTER_THAN_CPU", True)
+    assert backends.resolve_device("auto") == ("cuda", None)

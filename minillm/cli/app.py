@@ -43,6 +43,8 @@ def load_model(path: Path, threads: Optional[int], device: str, cache_types: Opt
 
     try:
         m = Model(path, threads=threads, device=device, cache_types=cache_types or F16_CACHE)
+        if m.device_notice:
+            err(f"notice: {m.device_notice}")
         m.warm_up(on_compile=compile_notice)
         m.tokenizer  # noqa: B018 (built while the collector is off)
     finally:
