@@ -8,11 +8,15 @@
           CUDA: agreement and mean |logit diff| over llama.cpp's top-10, as
           tests/test_golden_forward.py measures them on the CPU; and the same logits from the
           CPU, compared with CUDA's
-  bench   prefill (pp512) and decode (tg128) speed of both models on CUDA and on the CPU
+  bench   prefill (pp512) and decode (tg128) speed of both models on CUDA and on the CPU, and
+          the device memory the weights take against the file's tensor bytes
+  large   Llama-shaped models of random Q4_0 weights written on the machine (1B and 7B shapes:
+          no upload), their speed on CUDA (and the 1B's on the CPU) and device memory
 
 Writes every result as JSON to --out (after each stage, so a cut-short run keeps what it
 measured). Exits 1 when there is no GPU (with the reason), when a test fails or when an
-agreement falls below the CPU test's floor. Run from a checkout with `make models` done.
+agreement falls below the CPU test's floor. Run from a checkout; the real models are checked
+where `make models` put them, and skipped (said so) where it did not.
 """
 from __future__ import annotations
 
@@ -29,11 +33,17 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: minillm/cli/gpu_check.py
 DATA = ROOT / "tests" / "data"
 MODELS = {
     "smollm2": ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf",
     "gemma3": ROOT / "models" / "gemma-3-270m-q4_k_m.gguf",
+}
+# Llama shapes for random-weight models written on the machine (write_synthetic)
+SYNTHETIC_SHAPES = {
+    "7b": dict(n_embd=4096, n_layer=32, n_ff=11008, n_head=32, n_head_kv=32, n_vocab=32000),
+    "1b": dict(n_embd=2048, n_layer=16, n_ff=8192, n_head=32, n_head_kv=8, n_vocab=32000),
+    "tiny": dict(n_embd=256, n_layer=2, n_ff=512, n_head=4, n_head_kv=2, n_vocab=512),
 }
 MIN_AGREEMENT = 0.94    # tests/test_golden_forward.py's floor on the CPU
 BUDGET_S = 380          # no stage starts after this: the whole run stays under 8 minutes
@@ -100,6 +110,77 @@ def load(path: Path, device: str):
     model = Model(path, device=device)
     model.warm_up()
     return model
+
+
+def load_measured(path: Path, device: str) -> tuple:
+    """(model, its facts): load and warm-up seconds and, on CUDA, the device memory it took
+    against the file's tensor bytes (the weights and the warm-up's small caches)."""
+    from ..gguf_file import GGUFFile
+
+    free_before = _free_device_bytes() if device == "cuda" else 0
+    t0 = time.perf_counter()
+    model = load(path, device)
+    facts = {f"{device}_load_and_warm_up_s": round(time.perf_counter() - t0, 1)}
+    if device == "cuda":
+        with GGUFFile(path) as g:
+            tensor_bytes = sum(t.n_bytes for t in g.tensors.values())
+        used = free_before - _free_device_bytes()
+        facts.update(device_bytes=used, tensor_bytes=tensor_bytes, device_over_file=round(used / tensor_bytes, 3))
+    return model, facts
+
+
+def _free_device_bytes() -> int:
+    from numba import cuda
+
+    return cuda.current_context().get_memory_info()[0]
+
+
+def write_synthetic(path: Path, shape: str) -> Path:
+    """A Llama-shaped GGUF (SYNTHETIC_SHAPES) of random Q4_0 weights and float32 norms near 1:
+    speed and memory at a real model's size without uploading one."""
+    import gguf
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from synthetic import write_vocab  # a SentencePiece vocabulary of n_vocab tokens
+
+    s = SYNTHETIC_SHAPES[shape]
+    rng = np.random.default_rng(0)
+    E, F = s["n_embd"], s["n_ff"]
+    kv_dim = s["n_head_kv"] * (E // s["n_head"])
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("block_count", s["n_layer"]), ("context_length", 4096), ("embedding_length", E),
+                       ("feed_forward_length", F), ("attention.head_count", s["n_head"]),
+                       ("attention.head_count_kv", s["n_head_kv"])):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_float32("llama.rope.freq_base", 10000.0)
+    write_vocab(writer, s["n_vocab"])
+
+    def matrix(name: str, rows: int, cols: int) -> None:  # Q4_0 blocks: a small f16 scale, random codes
+        blocks = rows * cols // 32
+        raw = rng.integers(0, 256, size=(blocks, 18), dtype=np.uint8)
+        scales = (rng.random(blocks, dtype=np.float32) * 0.004 + 0.002).astype(np.float16)
+        raw[:, :2] = scales.view(np.uint8).reshape(blocks, 2)
+        raw = raw.reshape(rows, -1)
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+
+    def norm(name: str) -> None:
+        writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(E)).astype(np.float32))
+
+    matrix("token_embd.weight", s["n_vocab"], E)
+    norm("output_norm.weight")
+    matrix("output.weight", s["n_vocab"], E)
+    for il in range(s["n_layer"]):
+        for name, rows, cols in (("attn_q", E, E), ("attn_k", kv_dim, E), ("attn_v", kv_dim, E),
+                                 ("attn_output", E, E), ("ffn_gate", F, E), ("ffn_up", F, E), ("ffn_down", E, F)):
+            matrix(f"blk.{il}.{name}.weight", rows, cols)
+        norm(f"blk.{il}.attn_norm.weight")
+        norm(f"blk.{il}.ffn_norm.weight")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def golden_rows(name: str) -> list[dict]:
@@ -171,14 +252,12 @@ class Report:
 def check_models(report: Report, deadline: float) -> None:
     for name, path in MODELS.items():
         if not path.exists():
-            report.add(name, {"ok": False, "error": f"{path} is missing: run `make models`"})
+            report.add(name, {"skipped": f"{path} is missing (`make models` fetches it)"})
             continue
         if time.perf_counter() > deadline:
             report.add(name, {"skipped": "out of time"})
             continue
-        t0 = time.perf_counter()
-        gpu_model = load(path, "cuda")
-        entry = {"cuda_load_and_warm_up_s": round(time.perf_counter() - t0, 1)}
+        gpu_model, entry = load_measured(path, "cuda")
         cpu_model = load(path, "cpu")
         entry["golden"] = golden(name, gpu_model, cpu_model, deadline)
         entry["ok"] = entry["golden"]["ok"]
@@ -188,6 +267,28 @@ def check_models(report: Report, deadline: float) -> None:
                 entry[f"bench_{device}"] = bench(model)
                 report.add(name, entry)
         del gpu_model, cpu_model
+
+
+def check_synthetic(report: Report, deadline: float, shapes=("1b", "7b")) -> None:
+    """The large shapes, written to a temporary folder one at a time: CUDA speed and memory, and
+    the 1B's CPU speed (the 7B's would take minutes)."""
+    for shape in shapes:
+        key = f"synthetic_{shape}"
+        if time.perf_counter() > deadline:
+            report.add(key, {"skipped": "out of time"})
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            path = write_synthetic(Path(tmp) / f"{shape}.gguf", shape)
+            entry = {"write_s": round(time.perf_counter() - t0, 1), "file_bytes": path.stat().st_size}
+            model, facts = load_measured(path, "cuda")
+            entry.update(facts)
+            entry["bench_cuda"] = bench(model, 512, 128 if shape != "7b" else 64)
+            report.add(key, entry)
+            del model
+            if shape != "7b" and time.perf_counter() < deadline:
+                entry["bench_cpu"] = bench(load(path, "cpu"), 512, 64)
+                report.add(key, entry)
 
 
 def main(argv=None) -> int:
@@ -208,6 +309,7 @@ def main(argv=None) -> int:
         report.add("tests", run_tests(min(TESTS_TIMEOUT_S, deadline - time.perf_counter())))
         print(f"gpu_check: tests {report.data['tests']}", file=sys.stderr)
     check_models(report, deadline)
+    check_synthetic(report, deadline)
     report.save()
     print(json.dumps(report.data, indent=2))
     return 0 if report.data["ok"] else 1

@@ -1,0 +1,28 @@
+"""make gpu-check's parts that run without a GPU: the random-weight models it writes on the
+machine, and its refusal (exit 1, the reason in its report) where there is no GPU."""
+import json
+
+import numpy as np
+
+import minillm
+from minillm.cli import gpu_check
+
+
+def test_a_synthetic_llama_shape_is_a_model_that_runs(tmp_path):
+    path = gpu_check.write_synthetic(tmp_path / "tiny.gguf", "tiny")
+    model = minillm.load(path)
+    shape = gpu_check.SYNTHETIC_SHAPES["tiny"]
+    assert (model.hp.n_layer, model.hp.n_embd, model.hp.n_head_kv, model.n_vocab) == (
+        shape["n_layer"], shape["n_embd"], shape["n_head_kv"], shape["n_vocab"])
+    assert {t.format.name for t in model.gguf.tensors.values()} == {"Q4_0", "F32"}
+    logits = model.logits([1, 5, 9])
+    assert logits.shape == (3, shape["n_vocab"]) and np.all(np.isfinite(logits)) and logits.std() > 0
+
+
+def test_without_a_gpu_it_says_why_and_exits_1(tmp_path, capsys):
+    out = tmp_path / "gpu-check.json"
+    assert gpu_check.main(["--out", str(out)]) == 1  # the tests run the CUDA simulator, not a GPU
+    report = json.loads(out.read_text())
+    assert report["ok"] is False and "simulator" in report["gpu"]["error"]
+    assert "no GPU to check" in capsys.readouterr().err
+    assert (gpu_check.DATA / "greedy_smollm2_dev.jsonl").exists()  # it reads the checkout's tests/data
