@@ -226,3 +226,33 @@ def test_q2_k_as_llama_cpp_repacks_it():
     for out in (batch, alone):
         np.testing.assert_allclose(out, expected, atol=0.02 * np.abs(expected).max())
     assert not np.array_equal(batch[:4], alone[:4])  # the halves' extra rounding shows
+
+
+@pytest.mark.parametrize("fmt", [0, 1, 2])  # FLOAT_F32, FLOAT_F16, FLOAT_BF16
+def test_float_batches_in_register_tiles_sum_as_tiny_blas(fmt):
+    """The batched float product takes tiles of 2 weight rows by 4 activation rows on AVX-512;
+    every output is still tinyBLAS's accumulator over steps of 16, bit for bit (partial tiles:
+    odd N, T not a multiple of 4)."""
+    import numba as nb
+
+    from minillm.kernels.cpu import float_matmul as fm
+
+    @nb.njit
+    def one_output_at_a_time(w, x):
+        N, K = w.shape
+        out = np.empty((x.shape[0], N), np.float32)
+        acc = np.empty(64, np.float32)
+        for n in range(N):
+            for t in range(x.shape[0]):
+                out[t, n] = fm._tiny_blas_dot(w.reshape(-1), n * K, x.reshape(-1), t * K, K, acc)
+        return out
+
+    rng = np.random.default_rng(7)
+    for n_rows, cols, n_tokens in ((33, 64, 2), (64, 576, 7), (7, 1536, 9)):
+        w = rng.standard_normal((n_rows, cols)).astype(np.float32)
+        x = rng.standard_normal((n_tokens, cols)).astype(np.float32)
+        out = np.empty((n_tokens, n_rows), np.float32)
+        fm.float_matmul(w, x, fmt, out)
+        if fmt == fm.FLOAT_BF16 and fm.GGML_AVX512_BF16:
+            continue  # vdpbf16ps's own steps (test_quantize's BF16 files)
+        assert np.array_equal(out, one_output_at_a_time(w, x)), (n_rows, cols, n_tokens)

@@ -21,7 +21,7 @@ import numpy as np
 from .attention import F16_DOT_STEP, _reduce8, _reduce16
 from .fma import fma
 from .ops import GGML_AVX512, GGML_AVX512_BF16
-from .simd import dot_f16_32, dot_f16_64
+from .simd import dot_f16_32, dot_f16_64, fma_lanes_2x4, fma_lanes_2x8
 
 LANES = 16 if GGML_AVX512 else 8
 _FLT_MIN = np.float32(1.1754944e-38)  # the smallest normal float32
@@ -34,6 +34,9 @@ def float_matmul(weight, x, fmt, out):
     N, K = weight.shape
     T = x.shape[0]
     w, xf = weight.reshape(N * K), x.reshape(T * K)
+    if T >= 2 and LANES == 16 and K % 16 == 0 and not (fmt == FLOAT_BF16 and GGML_AVX512_BF16):
+        _tiny_blas_tiles(w, xf, N, K, T, out)
+        return
     for n in nb.prange(N):
         acc = np.empty(4 * LANES, np.float32)
         for t in range(T):
@@ -48,6 +51,36 @@ def float_matmul(weight, x, fmt, out):
                 out[t, n] = _vec_dot_bf16(w, n * K, xf, t * K, K, acc)
             else:
                 out[t, n] = _vec_dot(w, n * K, xf, t * K, K, fmt == FLOAT_F16)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _tiny_blas_tiles(w, x, N, K, T, out):
+    """tinyBLAS with AVX-512 (K a multiple of 16): each output's 16-lane accumulator exactly as
+    _tiny_blas_dot's, computed for tiles of 2 weight rows by 8 activation rows (4 under 8 rows)
+    in registers, so that a weight vector loads once for the tile's rows and an activation
+    vector once for its two weight rows; a partial tile repeats its last rows, unused."""
+    if T >= 8:
+        _tiles(w, x, N, K, T, out, fma_lanes_2x8, 8)
+    else:
+        _tiles(w, x, N, K, T, out, fma_lanes_2x4, 4)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _tiles(w, x, N, K, T, out, fma_lanes, n_x):
+    for pair in nb.prange((N + 1) // 2):
+        acc = np.empty(2 * n_x * 16, np.float32)   # (2, n_x, 16): each output's lanes
+        w_at = np.empty(2, np.int64)               # where each weight row starts
+        x_at = np.empty(n_x, np.int64)             # where each activation row starts
+        n0, n_rows = 2 * pair, min(2, N - 2 * pair)
+        for k in range(2):
+            w_at[k] = min(n0 + k, N - 1) * K
+        for t0 in range(0, T, n_x):
+            for r in range(n_x):
+                x_at[r] = min(t0 + r, T - 1) * K
+            fma_lanes(w, w_at, x, x_at, K // 16, acc)
+            for k in range(n_rows):
+                for r in range(min(n_x, T - t0)):
+                    out[t0 + r, n0 + k] = _reduce16(acc, 16 * (n_x * k + r))
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

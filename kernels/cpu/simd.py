@@ -366,6 +366,48 @@ fma_chain_64 = _fma_chains(1)
 fma_chains_64x2 = _fma_chains(2)
 
 
+def _fma_lanes(n_w, n_x):
+    """An intrinsic: tinyBLAS's accumulators for n_w weight rows (starting at w_at[i]) by n_x
+    activation rows (at x_at[r]): acc[16 * (n_x * i + r) + j] = the fma chain over l = 0, 16, ...
+    (n16 steps) of fma(w[w_at[i] + l + j], x[x_at[r] + l + j], .), from zero, in registers; each
+    step loads a weight vector once for the n_x rows and an activation vector once for the n_w.
+    float32 arrays, or float16 bit patterns (widened as they load)."""
+
+    @intrinsic
+    def fma_lanes(typingctx, w, w_at, x, x_at, n16, acc):
+        sig = types.void(w, w_at, x, x_at, types.intp, acc)
+
+        def codegen(context, builder, signature, args):
+            w_a, w_at_a, x_a, x_at_a, n, acc_a = args
+            c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+
+            def starts(array_type, array, count):
+                data = cgutils.create_struct_proxy(array_type)(context, builder, value=array).data
+                return [builder.load(builder.gep(data, [c(k)])) for k in range(count)]
+
+            w_starts = starts(signature.args[1], w_at_a, n_w)
+            x_starts = starts(signature.args[3], x_at_a, n_x)
+
+            def body(i, carried):
+                at = builder.mul(i, c(16))
+                wv = [_load_f32x16(context, builder, signature.args[0], w_a, builder.add(o, at)) for o in w_starts]
+                xv = [_load_f32x16(context, builder, signature.args[2], x_a, builder.add(o, at)) for o in x_starts]
+                return [_fma(builder, wv[k], xv[r], carried[n_x * k + r]) for k in range(n_w) for r in range(n_x)]
+
+            sums = _loop(builder, n, [ir.Constant(_F32X16, 0.0)] * (n_w * n_x), body)
+            for k, v in enumerate(sums):
+                builder.store(v, _ptr(context, builder, signature.args[5], acc_a, c(16 * k), _F32X16), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return fma_lanes
+
+
+fma_lanes_2x4 = _fma_lanes(2, 4)
+fma_lanes_2x8 = _fma_lanes(2, 8)
+
+
 @intrinsic
 def quantize_block_32(typingctx, x, x_off, q, q_off, n4, n4_off):
     """One 32-value block of llama.cpp's quantize_row_q8_0/_q8_1 (x86): amax = max |x|, each
