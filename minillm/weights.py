@@ -30,15 +30,16 @@ class Matrix:
     32-block formats -> lanes tiles: codes at their width and float16 scales (kernels/cpu/lanes.py);
     K-quants -> codes tiled for the integer kernels, with their integer sub-block scales and
     mins as int8, and super-block scales `sb`;
-    F32/F16/BF16 -> a float32 (n_rows, n_cols) matrix."""
+    F32/BF16 -> a float32 (n_rows, n_cols) matrix; F16 -> its float16 bit patterns (uint16)."""
 
     def __init__(self, name: str, fmt: Format, raw: np.ndarray, n_rows: int, n_cols: int, release=None):
         """raw (n_rows, row_bytes) uint8; release(r0, r1), if given, is told when rows r0..r1 of
         raw have been read (the loader drops their mapped pages)."""
         self.name, self.format = name, fmt
         self.n_rows, self.n_cols = n_rows, n_cols
-        if not fmt.quantized:
-            weight = np.ascontiguousarray(dequantize(fmt, raw, n_cols))
+        if not fmt.quantized:  # F16 stays float16 bit patterns, half F32's bytes (widened as the kernels load)
+            weight = np.array(raw).view(np.uint16) if fmt.name == "F16" else np.ascontiguousarray(
+                dequantize(fmt, raw, n_cols))
             self.packed = layers.Weights(_NO_BYTES, _NO_SCALES, _NO_SCALES, 0, 0, weight, n_rows, 0, -1,
                                          _FLOAT_FORMATS[fmt.name], _NO_SCALES, 0, False)
             return

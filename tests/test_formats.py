@@ -256,3 +256,21 @@ def test_float_batches_in_register_tiles_sum_as_tiny_blas(fmt):
         if fmt == fm.FLOAT_BF16 and fm.GGML_AVX512_BF16:
             continue  # vdpbf16ps's own steps (test_quantize's BF16 files)
         assert np.array_equal(out, one_output_at_a_time(w, x)), (n_rows, cols, n_tokens)
+
+
+def test_f16_weights_kept_as_bit_patterns_multiply_as_their_values():
+    """F16 matrices stay float16 bit patterns (uint16, half the bytes): every product path (one
+    row, register tiles, the scalar steps of a width not a multiple of 16) gives the bits that
+    the same weights widened to float32 give."""
+    from minillm.kernels.cpu import float_matmul as fm
+
+    rng = np.random.default_rng(3)
+    for n_rows, cols in ((9, 576), (5, 72)):
+        w16 = rng.standard_normal((n_rows, cols)).astype(np.float16)
+        for n_tokens in (1, 3, 9):
+            x = rng.standard_normal((n_tokens, cols)).astype(np.float16).astype(np.float32)  # rounded as ggml does
+            as_bits, as_values = (np.empty((n_tokens, n_rows), np.float32) for _ in range(2))
+            fm.float_matmul(w16.view(np.uint16), x, fm.FLOAT_F16, as_bits)
+            fm.float_matmul(w16.astype(np.float32), x, fm.FLOAT_F16, as_values)
+            assert np.array_equal(as_bits, as_values), (n_rows, cols, n_tokens)
+    assert Matrix("w", FORMATS_BY_NAME["F16"], w16.view(np.uint8), 5, 72).packed.fweight.dtype == np.uint16

@@ -17,8 +17,11 @@ lanes over steps of 32 (the last step padded with zeros), vec_dot two over steps
 """
 import numba as nb
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from .attention import F16_DOT_STEP, _reduce8, _reduce16
+from .f16 import f16_value
 from .fma import fma
 from .ops import GGML_AVX512, GGML_AVX512_BF16
 from .simd import dot_f16_32, dot_f16_64, fma_lanes_2x4, fma_lanes_2x8
@@ -83,6 +86,17 @@ def _tiles(w, x, N, K, T, out, fma_lanes, n_x):
                     out[t0 + r, n0 + k] = _reduce16(acc, 16 * (n_x * k + r))
 
 
+def _weight(w, i):
+    """w[i] as float32: F16 weights are kept as their bit patterns (uint16, half F32's bytes)."""
+
+
+@overload(_weight, inline="always")
+def _weight_impl(w, i):
+    if w.dtype == types.uint16:
+        return lambda w, i: f16_value(w[i])
+    return lambda w, i: w[i]
+
+
 @nb.njit(inline="always", cache=True, nogil=True)
 def _hsum(acc, at, lanes):
     return _reduce16(acc, at) if lanes == 16 else _reduce8(acc, at)
@@ -93,7 +107,7 @@ def _tiny_blas_dot(w, w_at, x, x_at, K, acc):
     acc[:LANES] = 0
     for l in range(0, K, LANES):
         for j in range(min(LANES, K - l)):
-            acc[j] = fma(w[w_at + l + j], x[x_at + l + j], acc[j])
+            acc[j] = fma(_weight(w, w_at + l + j), x[x_at + l + j], acc[j])
     return _hsum(acc, 0, LANES)
 
 
@@ -107,10 +121,10 @@ def _vec_dot(w, w_at, x, x_at, K, f16):
     if f16:  # ggml_float sum of the rest
         wide = np.float64(total)
         for i in range(n_simd, K):
-            wide += np.float64(w[w_at + i] * x[x_at + i])
+            wide += np.float64(_weight(w, w_at + i) * x[x_at + i])
         return np.float32(wide)
     for i in range(n_simd, K):
-        total += w[w_at + i] * x[x_at + i]
+        total += _weight(w, w_at + i) * x[x_at + i]
     return total
 
 
@@ -124,7 +138,7 @@ def _vec_dot_bf16(w, w_at, x, x_at, K, acc):
         for c in range(n_parts):
             for j in range(LANES):
                 at = i + c * LANES + j
-                acc[c * LANES + j] = acc[c * LANES + j] + w[w_at + at] * x[x_at + at]
+                acc[c * LANES + j] = acc[c * LANES + j] + _weight(w, w_at + at) * x[x_at + at]
         i += 32
     if LANES == 16:
         wide = np.float64(_reduce16(acc, 0)) + np.float64(_reduce16(acc, 16))
@@ -133,7 +147,7 @@ def _vec_dot_bf16(w, w_at, x, x_at, K, acc):
             acc[j] = (acc[j] + acc[16 + j]) + (acc[8 + j] + acc[24 + j])
         wide = np.float64(_reduce8(acc, 0))
     for k in range(i, K):
-        wide += np.float64(w[w_at + k] * x[x_at + k])
+        wide += np.float64(_weight(w, w_at + k) * x[x_at + k])
     return np.float32(wide)
 
 
@@ -142,7 +156,7 @@ def _dpbf16(acc, w, w_at, x, x_at, step, K):
     """acc (16,) after one vdpbf16ps over the 32 values from `step` (zero past K)."""
     for j in range(16):
         for e in (step + 2 * j + 1, step + 2 * j):
-            we, xe = (w[w_at + e], x[x_at + e]) if e < K else (np.float32(0.0), np.float32(0.0))
+            we, xe = (_weight(w, w_at + e), x[x_at + e]) if e < K else (np.float32(0.0), np.float32(0.0))
             a = fma(we, xe, acc[j])
             acc[j] = a if abs(a) >= _FLT_MIN else a * np.float32(0.0)  # FTZ, keeping the sign
 
@@ -162,5 +176,5 @@ def _dpbf16_dot(w, w_at, x, x_at, K, acc, n_acc, width):
         return _reduce16(acc, 0)
     wide = np.float64(_reduce16(acc, 0)) + np.float64(_reduce16(acc, 16))
     for k in range(i, K):
-        wide += np.float64(w[w_at + k] * x[x_at + k])
+        wide += np.float64(_weight(w, w_at + k) * x[x_at + k])
     return np.float32(wide)
