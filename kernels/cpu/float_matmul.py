@@ -1,10 +1,12 @@
 """Products of float weights (F32, F16, BF16) as llama.cpp's x86 CPU backend computes them. The
 activations are first rounded to the weight's type (layers._round_to_format), as ggml converts
-them to the type's vec_dot type; weight (N, K) holds the weights' float32 values. Then:
+them to the type's vec_dot type; weight (N, K) holds the weights' float32 values, or for F16
+their float16 bit patterns (uint16), widened as they load (_weight, simd._load_f32x16). Then:
 
 - a batch of 2 rows or more: llamafile's tinyBLAS. Per output one accumulator of LANES floats
   (8 on AVX2, 16 with AVX-512), acc[j] = fma(w[l + j], x[l + j], acc[j]) over steps of LANES
-  columns (the last step partial), then its hsum;
+  columns (the last step partial), then its hsum; with AVX-512 and K a multiple of 16, computed
+  for tiles of outputs at once, in registers (_tiny_blas_tiles);
 - one row: ggml_vec_dot_f32/_f16, four such accumulators over steps of 4 LANES summed as ggml's
   REDUCE (attention's dot_f16_*), the columns past the last step added after (F16: in double;
   F32: product, then sum, in float); ggml_vec_dot_bf16, four (AVX-512: two) accumulators of
