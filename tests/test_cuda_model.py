@@ -337,3 +337,102 @@ def test_a_toolchain_that_cannot_compile_is_one_clear_error(model_files, monkeyp
     with pytest.raises(minillm.MinillmError, match=r"do not compile with numba-cuda [\d.]+, numba [\d.]+ and "
                                                    r"numpy [\d.]+ \(AttributeError: .*row_stack"):
         backend.warm_up()
+
+
+# ---------------------------------------------------------------------------------------------
+# decode steps: recorded once per cache, replayed without the layer code
+# ---------------------------------------------------------------------------------------------
+from minillm.backends import cuda as cuda_backend_module  # noqa: E402
+from minillm.kernels.cuda.launch import COUNTS, Replay  # noqa: E402
+
+# a Llama layer's decode step: norm, quantize, q/k/v, RoPE + store, attention, quantize, o, add,
+# norm, quantize, gate/up, SwiGLU, quantize, down, add (biases and scales absent: no launch);
+# then the output norm, quantize and product
+LAUNCHES_PER_LLAMA_LAYER = 18
+LAUNCHES_AFTER_THE_LAYERS = 3
+
+
+def _counted(step):
+    before = dict(COUNTS)
+    result = step()
+    return result, {key: COUNTS[key] - before.get(key, 0) for key in ("launches", "allocations", "replays")}
+
+
+@pytest.fixture(scope="module")
+def two_layer_q4_0(tmp_path_factory):
+    """A two-layer Llama in one format (the real models' shape: one activation kind)."""
+    model = SyntheticModel("llama", "Q4_0", n_layer=2, **TINY).build()
+    return model.write(tmp_path_factory.mktemp("cuda_steps") / "llama-q4_0.gguf")
+
+
+def test_decode_steps_replay_a_fixed_count_of_launches_and_allocate_nothing(two_layer_q4_0, monkeypatch):
+    """The first step of a cache is recorded (the layer code runs); every later step replays
+    it: the same launches, no device allocation, the same logits as the layer code and the CPU."""
+    monkeypatch.setattr(cuda_layers, "BATCHED", None)
+    path = two_layer_q4_0
+    ids = np.random.default_rng(5).integers(0, TINY["n_vocab"], 5)
+    cpu = minillm.load(path)
+    cpu_cache = cpu.new_cache(8)
+    backend = cuda_backend(path)
+    cache = backend.new_cache(8)
+    assert_logits_match(backend.forward(ids[:2], cache, 1), cpu.eval(ids[:2], cpu_cache, logits_from=1))
+    assert cache.step_plan is None  # a prefill records nothing
+
+    logits, recorded = _counted(lambda: backend.forward(ids[2:3], cache, 0))
+    assert_logits_match(logits, cpu.eval(ids[2:3], cpu_cache))
+    plan = cache.step_plan
+    assert recorded["replays"] == 0 and recorded["launches"] == len(plan.replay.launches)
+    assert backend.hp.n_layer == 2
+    assert len(plan.replay.launches) == LAUNCHES_PER_LLAMA_LAYER * 2 + LAUNCHES_AFTER_THE_LAYERS
+
+    for i in (3, 4):
+        logits, replayed = _counted(lambda: backend.forward(ids[i:i + 1], cache, 0))
+        assert replayed == {"launches": len(plan.replay.launches), "allocations": 0, "replays": 1}
+        assert_logits_match(logits, cpu.eval(ids[i:i + 1], cpu_cache))
+        assert cache.step_plan is plan
+
+    # the layer code itself, step by step, on a copy of the prefix: the very same logits
+    monkeypatch.setattr(cuda_backend_module, "REPLAY", "off")
+    plain_cache = backend.new_cache(8)
+    backend.forward(ids[:2], plain_cache, 1)
+    plain = [backend.forward(ids[i:i + 1], plain_cache, 0) for i in (2, 3, 4)]
+    assert plain_cache.step_plan is None
+    np.testing.assert_array_equal(plain[-1], logits)
+
+
+def test_a_decode_step_is_recorded_again_when_the_layers_change(model_files, monkeypatch):
+    monkeypatch.setattr(cuda_layers, "BATCHED", None)
+    path = model_files["llama-small-formats"]
+    backend = cuda_backend(path)
+    cache = backend.new_cache(8)
+    backend.forward(np.array([1]), cache, 0)
+    first = cache.step_plan
+    backend.skipped_layers = frozenset({0})
+    _, counts = _counted(lambda: backend.forward(np.array([2]), cache, 0))
+    assert counts["replays"] == 0 and cache.step_plan is not first
+    assert len(cache.step_plan.replay.launches) == LAUNCHES_AFTER_THE_LAYERS  # no layer left
+    fork = copy.deepcopy(cache)
+    assert fork.step_plan is None  # its launches would read the original's arrays
+
+
+def test_replay_modes_are_checked(model_files, monkeypatch):
+    with pytest.raises(ValueError, match="replay mode 'fast'"):
+        Replay([], None, "fast")
+    assert Replay([], None, "graph").mode == "direct"  # the simulator has no driver to capture with
+    monkeypatch.setattr(cuda_backend_module, "REPLAY", "fast")
+    with pytest.raises(minillm.MinillmError, match="MINILLM_CUDA_REPLAY='fast'"):
+        cuda_backend(model_files["llama-small-formats"])
+
+
+def test_gpu_check_compares_the_replay_modes(two_layer_q4_0):
+    """make gpu-check's comparison of the ways to replay a step runs (under the simulator every
+    mode replays directly) and finds the layer code's logits in each."""
+    from minillm.cli import gpu_check
+
+    model = minillm.load(two_layer_q4_0, device="cuda")
+    result = gpu_check.compare_replay_modes(model, n_steps=3, n_prompt=2)
+    assert result["ok"] and result["off"].get("used") is None
+    for mode in ("direct", "prepared", "graph"):
+        expected = "direct" if not cuda_env.REAL_GPU else mode
+        assert result[mode]["used"] == expected and result[mode]["max_abs_diff_vs_off"] == 0.0
+        assert result[mode]["launches_per_step"] == LAUNCHES_PER_LLAMA_LAYER * 2 + LAUNCHES_AFTER_THE_LAYERS

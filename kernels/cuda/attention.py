@@ -16,6 +16,7 @@ import numpy as np
 from numba import cuda
 
 from .device import NEG_INF, f16_round, pow2_threads
+from .launch import launch
 from .registry import device, kernel
 
 MAX_HEAD_DIM = 512
@@ -111,6 +112,6 @@ def attention(q, q_pos, kcache, vcache, kv_pos, n_keep: int, window: int, scale:
     if D > MAX_HEAD_DIM or n_heads % kcache.shape[1]:
         raise ValueError(f"unsupported heads: {n_heads} query heads, {kcache.shape[1]} KV heads of {D}")
     threads = pow2_threads(max(D, min(kcache.shape[0], MAX_THREADS)), hi=MAX_THREADS)
-    attention_kernel[(n_heads, T), threads](q, q_pos, kcache, vcache, kv_pos, int(n_keep), int(window),
-                                            np.float32(scale), np.float32(softcap), out)
+    launch(attention_kernel, (n_heads, T), threads, q, q_pos, kcache, vcache, kv_pos, int(n_keep), int(window),
+           np.float32(scale), np.float32(softcap), out)
     return out

@@ -20,6 +20,7 @@ rope_attend rotates q and k, add(x, y) computes x + y into y, add_bias and scale
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -29,6 +30,7 @@ from numba import cuda
 from .attention import attention
 from .matmul import FWeights, QWeights, fmatmul, qmatmul
 from .norm_quant import QActivations, quantize, rmsnorm
+from .launch import COUNTS, launch
 from .ops import _launch, add_inplace, add_rows_kernel, geglu as geglu_into, rope_store_kv, scale_kernel, swiglu as swiglu_into
 
 
@@ -75,7 +77,11 @@ class BufferPool:
         rows = 1 << max(0, int(shape[0]) - 1).bit_length()
         key = (rows, tuple(shape[1:]), np.dtype(dtype).str)
         stack = self.free.get(key)
-        buffer = stack.pop() if stack else cuda.device_array((rows, *shape[1:]), dtype)
+        if stack:
+            buffer = stack.pop()
+        else:
+            COUNTS["allocations"] += 1
+            buffer = cuda.device_array((rows, *shape[1:]), dtype)
         view = buffer[:shape[0]]
         self.used.append((key, buffer, view))
         return view
@@ -97,7 +103,19 @@ class BufferPool:
         self.used = kept
 
 
-POOL = BufferPool()
+POOL = BufferPool()  # the pool the operations take from (using_pool swaps it)
+
+
+@contextlib.contextmanager
+def using_pool(pool: BufferPool):
+    """The operations take their buffers from `pool` inside the block (a recorded decode step
+    keeps a pool of its own, whose buffers its replays write again)."""
+    global POOL
+    saved, POOL = POOL, pool
+    try:
+        yield pool
+    finally:
+        POOL = saved
 
 
 def recycle(keep=()) -> None:
@@ -181,7 +199,7 @@ def add_bias(x, bias):
     """x (T, N) + bias (N,) into x (a temporary); an empty bias: x as it is."""
     if bias.size == 0:
         return x
-    add_rows_kernel[_launch(x.size)](x, bias)
+    launch(add_rows_kernel, *_launch(x.size), x, bias)
     return x
 
 
@@ -189,7 +207,7 @@ def scaled(x, s):
     """x * s into x (a temporary); s == 1: x as it is."""
     if s == 1:
         return x
-    scale_kernel[_launch(x.size)](x, np.float32(s))
+    launch(scale_kernel, *_launch(x.size), x, np.float32(s))
     return x
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from numba import cuda
 
 from .device import WARP, dot4, f16_round, pow2_threads, warp_sum
+from .launch import launch
 from .registry import kernel
 
 MATVEC_ROWS = 4        # rows (warps) per block of the matrix-vector kernels
@@ -257,9 +258,9 @@ def qmatmul(w: QWeights, act, out, batched: bool | None = None):
     xd, xs = act.scales(w.group)
     args = (w.words, w.scale, w.bias, int(w.has_bias), w.group, act.words, xd, xs, out)
     if not _use_tiled(T, batched):
-        qmatvec_kernel[_grid(w.n_rows, MATVEC_ROWS), (WARP, MATVEC_ROWS)](*args)
+        launch(qmatvec_kernel, _grid(w.n_rows, MATVEC_ROWS), (WARP, MATVEC_ROWS), *args)
     else:
-        qmatmul_tiled_kernel[(_grid(w.n_rows, TILE_N), _grid(T, TILE_T)), (TILE_N, TILE_T)](*args)
+        launch(qmatmul_tiled_kernel, (_grid(w.n_rows, TILE_N), _grid(T, TILE_T)), (TILE_N, TILE_T), *args)
     return out
 
 
@@ -268,9 +269,9 @@ def round_activations(x, mode: str, out):
     threads = pow2_threads(x.size, hi=256)
     blocks = _grid(x.size, threads)
     if mode == "f16":
-        round_f16_kernel[blocks, threads](x, out)
+        launch(round_f16_kernel, blocks, threads, x, out)
     elif mode == "bf16":
-        round_bf16_kernel[blocks, threads](x.view(np.uint32), out.view(np.uint32))
+        launch(round_bf16_kernel, blocks, threads, x.view(np.uint32), out.view(np.uint32))
     else:
         raise ValueError(f"unknown rounding {mode!r}")
     return out
@@ -286,7 +287,7 @@ def fmatmul(w: FWeights, x, out, scratch=None, batched: bool | None = None):
             scratch = cuda.device_array(x.shape, np.float32)
         x = round_activations(x, w.round_mode, scratch)
     if not _use_tiled(T, batched):
-        fmatvec_kernel[_grid(w.n_rows, MATVEC_ROWS), (WARP, MATVEC_ROWS)](w.weight, x, out)
+        launch(fmatvec_kernel, _grid(w.n_rows, MATVEC_ROWS), (WARP, MATVEC_ROWS), w.weight, x, out)
     else:
-        fmatmul_tiled_kernel[(_grid(w.n_rows, TILE_N), _grid(T, TILE_T)), (TILE_N, TILE_T)](w.weight, x, out)
+        launch(fmatmul_tiled_kernel, (_grid(w.n_rows, TILE_N), _grid(T, TILE_T)), (TILE_N, TILE_T), w.weight, x, out)
     return out

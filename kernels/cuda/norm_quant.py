@@ -17,6 +17,7 @@ from numba import cuda
 
 from ..cpu.matmul import KIND_Q8_1, KIND_Q8_K  # plain constants: no CPU kernel is compiled
 from .device import MAX_THREADS, f16_round, pack4, pow2_threads, row_inv_rms
+from .launch import launch
 from .registry import device, kernel
 
 MAX_GROUPS32 = 1024  # rows up to K = 32768 values
@@ -180,7 +181,7 @@ def _fits(act, n_tokens, n_cols, kind):
 def rmsnorm(x, weight, eps: float, out):
     """out (R, W) = rmsnorm(x) * weight on device arrays."""
     rows, width = x.shape
-    rmsnorm_kernel[rows, pow2_threads(width, hi=MAX_THREADS)](x, weight, np.float32(eps), out)
+    launch(rmsnorm_kernel, rows, pow2_threads(width, hi=MAX_THREADS), x, weight, np.float32(eps), out)
     return out
 
 
@@ -189,7 +190,7 @@ def quantize(x, kind: int, act: QActivations | None = None) -> QActivations:
     T, K = x.shape
     if not _fits(act, T, K, kind):
         act = QActivations.empty(T, K, kind)
-    quantize_kernel[T, pow2_threads(K // 32)](x, kind, act.words, act.d16, act.s16, act.d32, act.s32)
+    launch(quantize_kernel, T, pow2_threads(K // 32), x, kind, act.words, act.d16, act.s16, act.d32, act.s32)
     return act
 
 
@@ -198,6 +199,6 @@ def rmsnorm_quantize(x, weight, eps: float, kind: int, out, act: QActivations | 
     T, K = x.shape
     if not _fits(act, T, K, kind):
         act = QActivations.empty(T, K, kind)
-    rmsnorm_quantize_kernel[T, pow2_threads(K, hi=MAX_THREADS)](
-        x, weight, np.float32(eps), kind, out, act.words, act.d16, act.s16, act.d32, act.s32)
+    launch(rmsnorm_quantize_kernel, T, pow2_threads(K, hi=MAX_THREADS),
+           x, weight, np.float32(eps), kind, out, act.words, act.d16, act.s16, act.d32, act.s32)
     return act

@@ -13,6 +13,7 @@ from numba import cuda
 
 from ..cpu.ops import GELU_COEF_A, SQRT_2_OVER_PI
 from .device import f16_round, pow2_threads
+from .launch import launch
 from .registry import device, kernel
 
 THREADS = 256
@@ -141,8 +142,8 @@ def rope_store_kv(q, k, v, positions, slots, n_heads: int, n_dims: int, cos_t, s
     T = k.shape[0]
     n_kv_heads, D = kcache.shape[1], kcache.shape[2]
     n = T * (n_heads + n_kv_heads) * (D // 2)
-    rope_store_kv_kernel[_launch(n)](q, k, v, positions, n_heads, n_kv_heads, n_dims, cos_t, sin_t, bool(neox),
-                                     slots, kcache, vcache, kv_pos)
+    launch(rope_store_kv_kernel, *_launch(n), q, k, v, positions, n_heads, n_kv_heads, n_dims, cos_t, sin_t,
+           bool(neox), slots, kcache, vcache, kv_pos)
 
 
 def store_kv(k, v, positions, slots, kcache, vcache, kv_pos):
@@ -171,15 +172,15 @@ def scale_kernel(x, s):
 
 
 def swiglu(gate, up, out):
-    swiglu_kernel[_launch(gate.size)](gate, up, out)
+    launch(swiglu_kernel, *_launch(gate.size), gate, up, out)
     return out
 
 
 def geglu(gate, up, out):
-    geglu_kernel[_launch(gate.size)](gate, up, out)
+    launch(geglu_kernel, *_launch(gate.size), gate, up, out)
     return out
 
 
 def add_inplace(x, y):
-    add_kernel[_launch(x.size)](x, y)
+    launch(add_kernel, *_launch(x.size), x, y)
     return x

@@ -27,7 +27,7 @@ class NotOnThisBackend(MinillmError):
 class Backend:
     """An architecture's weights and forward pass on one kind of device. Subclasses give the
     weights' form (vector, matrix), the caches, the layer function over their ops and the
-    hooks of the shared loop (to_device, layer_done, output_logits)."""
+    hooks of the shared loop (upload, layer_done, output_logits)."""
 
     device = ""
     # features this backend does not run yet: name -> why (check_supports raises with it)
@@ -97,13 +97,25 @@ class Backend:
     # -- the shared loop ------------------------------------------------------------
     layer_function = None  # the architecture's layer over this backend's operations
 
+    def step_inputs(self, ids, positions, n_ctx: int):
+        """The host arrays a forward pass reads: the embeddings (T, E), the architecture's rope
+        tables ((cos, sin), or a dict of such pairs) and the positions (T,)."""
+        return self.arch.embed(ids), self.arch.rope_tables(positions, n_ctx), positions
+
+    def upload(self, inputs):
+        """Host arrays (nested in tuples and dicts) where the layers read them: the CPU's layers
+        read host memory."""
+        return inputs
+
     def run_layers(self, ids, positions, kv_of, out_from: int, layers, n_ctx: int):
         """The hidden states (T - out_from, E) after every layer (those in skipped_layers left
         out); kv_of(il): layer il's KV view as this backend's layers take it."""
+        x, tables, positions = self.upload(self.step_inputs(ids, positions, n_ctx))
+        return self.layers_from(x, tables, positions, kv_of, out_from, layers)
+
+    def layers_from(self, x, tables, positions, kv_of, out_from: int, layers):
+        """run_layers from its inputs where the layers read them."""
         arch = self.arch
-        x = self.to_device(arch.embed(ids))                                 # (T, E)
-        tables = self.tables_to_device(arch.rope_tables(positions, n_ctx))
-        positions = self.to_device(positions)                               # (T,)
         run = range(len(layers))
         if self.skipped_layers:  # only while layer importance is measured: no list per token otherwise
             run = [il for il in run if il not in self.skipped_layers]
@@ -113,16 +125,6 @@ class Backend:
             x = layer(x, layers[il], positions, kv_of(il), out_from if il == last else 0, *arch.layer_args(il, tables))
             self.layer_done(x)
         return x if len(run) else x[out_from:]
-
-    def to_device(self, array: np.ndarray):
-        return array
-
-    def tables_to_device(self, tables):
-        """The architecture's rope tables ((cos, sin), or a dict of such pairs) where the layers read them."""
-        if isinstance(tables, dict):
-            return {name: (self.to_device(cos), self.to_device(sin)) for name, (cos, sin) in tables.items()}
-        cos, sin = tables
-        return self.to_device(cos), self.to_device(sin)
 
     def layer_done(self, x) -> None:
         """After each layer, with its output x (CUDA: the pass's other buffers are recycled)."""

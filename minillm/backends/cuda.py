@@ -10,7 +10,9 @@ Importing this module imports numba.cuda (the `cuda` extra); the CPU path never 
 from __future__ import annotations
 
 import copy
+import os
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
@@ -21,11 +23,16 @@ from ..kernels.cpu.unpack import dequantize, unpack
 from ..kernels.cuda import layers as cuda_layers
 from ..kernels.cuda import rmsnorm, upload_float_matrix, upload_matrix
 from ..kernels.cuda.attention import MAX_HEAD_DIM
+from ..kernels.cuda.launch import REPLAY_MODES, Replay, new_stream, recording
 from ..kernels.cuda.layers import FLOAT_KIND, DeviceKV, DeviceMatrix
 from ..kernels.cuda.matmul import MATVEC_MAX_T
 from ..kernels.cuda.norm_quant import MAX_K
 from ..kv_cache import F16_CACHE, KVCache
 from .base import Backend
+
+# how decode steps are replayed (kernels/cuda/launch.py): "auto" (a CUDA graph where it can be
+# captured), "graph", "prepared", "direct", or "off" (every step issued from the layer code)
+REPLAY = os.environ.get("MINILLM_CUDA_REPLAY", "auto")
 
 
 class CudaKVCache(KVCache):
@@ -42,12 +49,8 @@ class CudaKVCache(KVCache):
         self.k = [_device_zeros((group_sizes[g], n_head_kv, head_dim)) for g in layer_groups]
         self.v = [_device_zeros((group_sizes[g], n_head_kv, head_dim)) for g in layer_groups]
         self.device_kv_pos = {name: cuda.to_device(g.kv_pos) for name, g in self.groups.items()}  # (S,) int64
-        self.device_slots = {}  # group -> (T,) int64 slots of the batch being evaluated
-
-    def reserve(self, n: int) -> np.ndarray:
-        positions = super().reserve(n)
-        self.device_slots = {name: cuda_layers.POOL.upload(s) for name, s in self._slots.items()}
-        return positions
+        self.device_slots = {}  # group -> (T,) int64 slots of the batch being evaluated (uploaded by forward)
+        self.step_plan = None   # the recorded decode step (StepPlan) that reads and writes this cache
 
     def commit(self, n: int) -> None:
         """The batch of n tokens is stored: the kernels set the device's kv_pos of each group a
@@ -57,14 +60,18 @@ class CudaKVCache(KVCache):
             self.groups[name].kv_pos[self._slots[name]] = positions
         super().commit(n)
 
+    def batch_slots(self) -> dict[str, np.ndarray]:
+        """Each group's (T,) slots of the batch reserve() placed, for the forward pass to upload."""
+        return dict(self._slots)
+
     def device_kv(self, il: int) -> DeviceKV:
         """Layer il's cache as kernels/cuda/layers.py takes it."""
         name = self.layer_groups[il]
         return DeviceKV(self.k[il], self.v[il], self.device_kv_pos[name], self.device_slots[name],
                         self.groups[name].n_keep)
 
-    def truncate(self, n: int) -> None:
-        super().truncate(n)
+    def rewind(self, n: int) -> None:
+        super().rewind(n)
         for name, group in self.groups.items():
             self.device_kv_pos[name].copy_to_device(group.kv_pos)
 
@@ -77,7 +84,38 @@ class CudaKVCache(KVCache):
         new.v = [_device_copy(a) for a in self.v]
         new.device_kv_pos = {name: _device_copy(a) for name, a in self.device_kv_pos.items()}
         new.device_slots = {}
+        new.step_plan = None  # its launches read this cache's arrays
         return new
+
+
+@dataclass
+class StepPlan:
+    """A cache's decode step, recorded: replaying it issues the step's launches again, over the
+    same device buffers, after the token's inputs are copied into `inputs`."""
+
+    skipped_layers: frozenset  # what the recording depends on besides the cache and T = 1
+    pool: object               # the step's BufferPool: its buffers are the replay's buffers
+    inputs: list               # device arrays the host inputs go to, in _leaves order
+    logits: object             # (1, V) float32 device array the step's logits end in
+    replay: Replay
+
+
+def _leaves(tree) -> list:
+    """The arrays of nested tuples, lists and dicts, in order (a dict's in insertion order)."""
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (tuple, list)):
+        return [leaf for item in tree for leaf in _leaves(item)]
+    return [tree]
+
+
+def _map_leaves(fn, tree):
+    """The same nesting with fn applied to each array, in _leaves order."""
+    if isinstance(tree, dict):
+        return {key: _map_leaves(fn, value) for key, value in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_map_leaves(fn, item) for item in tree)
+    return fn(tree)
 
 
 def _device_zeros(shape: tuple[int, ...]):
@@ -105,6 +143,8 @@ class CudaBackend(Backend):
                              f"takes ({MAX_HEAD_DIM})")
         if cache_types != F16_CACHE:
             raise MinillmError("a quantized KV cache runs on the CPU only: use device 'cpu', or f16 cache types")
+        if REPLAY not in ("auto", "off", *REPLAY_MODES):
+            raise MinillmError(f"MINILLM_CUDA_REPLAY={REPLAY!r}: choose auto, off or one of {', '.join(REPLAY_MODES)}")
         super().__init__(arch, cache_types, progress)
         self.layer_function = self.layer_with_ops(cuda_layers)
         self._kept = []  # the pass's device buffers that outlive a layer (positions, slots, tables)
@@ -139,32 +179,82 @@ class CudaBackend(Backend):
 
     def forward(self, ids: np.ndarray, cache: CudaKVCache, logits_from: int) -> np.ndarray:
         with self._lock:
+            if len(ids) == 1 and logits_from == 0 and REPLAY != "off":
+                return self._decode_step(ids, cache)
             try:
-                positions = cache.reserve(len(ids))
-                self._kept = list(cache.device_slots.values())
-                x = self.run_layers(ids, positions, cache.device_kv, 0, self.layers, cache.n_ctx)
-                cache.commit(len(ids))
-                return self.output_logits(x[logits_from:], self.output)
+                logits, _ = self._pass(ids, cache, logits_from)
+                return self._logits_to_host(logits)
             finally:
                 self._kept = []
                 cuda_layers.recycle()
 
-    def to_device(self, array: np.ndarray):
-        """A pooled device copy, kept through the pass."""
-        device_array = cuda_layers.POOL.upload(array)
-        self._kept.append(device_array)
-        return device_array
+    def _pass(self, ids: np.ndarray, cache: CudaKVCache, logits_from: int):
+        """One forward pass issued on the device: (logits (T - logits_from, V) on the device or
+        None, the device buffers its host inputs were copied into, in _leaves order)."""
+        positions = cache.reserve(len(ids))
+        slots, (x, tables, positions) = self.upload((cache.batch_slots(), self.step_inputs(ids, positions, cache.n_ctx)))
+        cache.device_slots = slots
+        x = self.layers_from(x, tables, positions, cache.device_kv, 0, self.layers)
+        cache.commit(len(ids))
+        return self.device_logits(x[logits_from:]), list(self._kept)
+
+    def _decode_step(self, ids: np.ndarray, cache: CudaKVCache) -> np.ndarray:
+        """One token: the cache's recorded step replayed with this token's inputs (recorded on
+        the cache's first step, and again when what it depends on changed)."""
+        plan = cache.step_plan
+        if plan is None or plan.skipped_layers != self.skipped_layers:
+            return self._record_step(ids, cache)
+        positions = cache.reserve(1)
+        host = _leaves((cache.batch_slots(), self.step_inputs(ids, positions, cache.n_ctx)))
+        if [h.shape for h in host] != [d.shape for d in plan.inputs]:
+            return self._record_step(ids, cache)
+        stream = plan.replay.stream or 0
+        for device_array, host_array in zip(plan.inputs, host):
+            device_array.copy_to_device(np.ascontiguousarray(host_array), stream=stream)
+        plan.replay.run()
+        logits = plan.logits.copy_to_host(stream=stream)
+        if stream:
+            stream.synchronize()
+        cache.commit(1)
+        return self.arch.finish_logits(logits)
+
+    def _record_step(self, ids: np.ndarray, cache: CudaKVCache) -> np.ndarray:
+        """A decode step run while its launches are recorded, on buffers of its own: the plan
+        that replays it."""
+        cache.step_plan = None
+        pool = cuda_layers.BufferPool()
+        try:
+            with cuda_layers.using_pool(pool), recording() as launches:
+                logits, inputs = self._pass(ids, cache, 0)
+        finally:
+            self._kept = []
+        cache.step_plan = StepPlan(self.skipped_layers, pool, inputs, logits,
+                                   Replay(launches, new_stream(), REPLAY))
+        return self._logits_to_host(logits)
+
+    def upload(self, inputs):
+        """Pooled device copies of the host arrays (in tuples and dicts), kept through the pass."""
+        def copy(host):
+            device_array = cuda_layers.POOL.upload(host)
+            self._kept.append(device_array)
+            return device_array
+
+        return _map_leaves(copy, inputs)
 
     def layer_done(self, x) -> None:
         cuda_layers.recycle(keep=(x, *self._kept))
 
-    def output_logits(self, x, output) -> np.ndarray:
+    def device_logits(self, x):
+        """Logits (T, V) of hidden states x (T, E), on the device (None for no rows)."""
         if x.shape[0] == 0:
-            return np.empty((0, self.hp.n_vocab), np.float32)
+            return None
         xn = rmsnorm(x, self.output_norm, np.float32(self.hp.rms_eps), cuda_layers.POOL.take(x.shape))
-        if self.recorder is not None:
-            self.recorder.saw((output,), xn.copy_to_host())
-        return self.arch.finish_logits(cuda_layers.linear(output, xn).copy_to_host())
+        return cuda_layers.linear(self.output, xn)
+
+    def _logits_to_host(self, logits) -> np.ndarray:
+        if logits is None:
+            return np.empty((0, self.hp.n_vocab), np.float32)
+        return self.arch.finish_logits(logits.copy_to_host())
 
     def warm_up(self, on_compile=None) -> None:
         """Compile the kernels (numba compiles each on its first launch): a one-token step

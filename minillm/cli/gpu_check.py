@@ -11,7 +11,9 @@
   bench   prefill (pp512) and decode (tg128) speed of both models on CUDA and on the CPU, and
           the device memory the weights take against the file's tensor bytes
   large   Llama-shaped models of random Q4_0 weights written on the machine (1B and 7B shapes:
-          no upload), their speed on CUDA (and the 1B's on the CPU) and device memory
+          no upload), their speed on CUDA (and the 1B's on the CPU) and device memory; on the
+          1B, decode steps replayed each way (a CUDA graph, prepared launches, direct, none):
+          the same logits from each, and each one's time a step
 
 Writes every result as JSON to --out (after each stage, so a cut-short run keeps what it
 measured). Exits 1 when there is no GPU (with the reason), when a test fails or when an
@@ -230,6 +232,42 @@ def bench(model, n_prompt: int = 512, n_gen: int = 128) -> dict:
             f"tg{n_gen}_tokens_per_s": round(n_gen / decode, 1)}
 
 
+def compare_replay_modes(model, n_steps: int = 32, n_prompt: int = 8) -> dict:
+    """Greedy-free decode steps (fixed tokens) under each way of replaying a step
+    (kernels/cuda/launch.py), and with no replay: each mode's ms a step and its logits against
+    the layer code's (the same kernels in the same order: bit for bit)."""
+    from ..backends import cuda as cuda_backend
+
+    backend = model.backend
+    ids = np.random.default_rng(1).integers(0, model.n_vocab, n_prompt + n_steps)
+    saved, results, reference = cuda_backend.REPLAY, {}, None
+    try:
+        for mode in ("off", "direct", "prepared", "graph"):
+            cuda_backend.REPLAY = mode
+            cache = backend.new_cache(n_prompt + n_steps)
+            backend.forward(ids[:n_prompt], cache, n_prompt - 1)
+            steps = [backend.forward(ids[n_prompt:n_prompt + 1], cache, 0)]  # recorded (not timed)
+            t0 = time.perf_counter()
+            steps += [backend.forward(ids[i:i + 1], cache, 0) for i in range(n_prompt + 1, n_prompt + n_steps)]
+            entry = {"ms_per_step": round((time.perf_counter() - t0) * 1000 / max(1, n_steps - 1), 3)}
+            plan = cache.step_plan
+            if plan is not None:
+                entry.update(used=plan.replay.mode, launches_per_step=len(plan.replay.launches))
+                if plan.replay.fallback:
+                    entry["fallback"] = plan.replay.fallback
+            logits = np.concatenate(steps)
+            if reference is None:
+                reference = logits
+            else:
+                entry["max_abs_diff_vs_off"] = float(np.abs(logits - reference).max())
+                entry["ok"] = entry["max_abs_diff_vs_off"] == 0.0
+            results[mode] = entry
+    finally:
+        cuda_backend.REPLAY = saved
+    results["ok"] = all(entry.get("ok", True) for entry in results.values())
+    return results
+
+
 # ---- driver --------------------------------------------------------------------------------
 
 class Report:
@@ -283,6 +321,9 @@ def check_synthetic(report: Report, deadline: float, shapes=("1b", "7b")) -> Non
             entry = {"write_s": round(time.perf_counter() - t0, 1), "file_bytes": path.stat().st_size}
             model, facts = load_measured(path, "cuda")
             entry.update(facts)
+            if shape != "7b":
+                entry["replay_modes"] = compare_replay_modes(model)
+                entry["ok"] = entry["replay_modes"]["ok"]
             entry["bench_cuda"] = bench(model, 512, 128 if shape != "7b" else 64)
             report.add(key, entry)
             del model
