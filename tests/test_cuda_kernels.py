@@ -27,7 +27,7 @@ from minillm.kernels import cuda as gpu  # noqa: E402
 from minillm.kernels.cpu import matmul as cpu_mm  # noqa: E402
 from minillm.kernels.cpu import ops as cpu_ops  # noqa: E402
 from minillm.kernels.cpu.attention import attention as cpu_attention  # noqa: E402
-from minillm.kernels.cpu.unpack import dequantize, unpack  # noqa: E402
+from minillm.kernels.cpu.unpack import dequantize  # noqa: E402
 from minillm.weights import Matrix  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -120,13 +120,6 @@ def test_rmsnorm_quantize_fused_matches_cpu():
 # ---------------------------------------------------------------------------------------------
 # matrix products
 # ---------------------------------------------------------------------------------------------
-def test_gpu_layout_words_hold_the_codes():
-    q = np.random.default_rng(0).integers(-128, 128, (3, 64), dtype=np.int8)
-    words, scale, bias, has_bias = gpu.gpu_layout(q, np.ones((3, 2), np.float32), np.zeros((3, 0), np.float32))
-    assert words.dtype == np.int32 and words.shape == (3, 16) and not has_bias and bias.shape == (1, 1)
-    np.testing.assert_array_equal(words.view(np.int8), q)
-
-
 # (tokens, kernel): T = 1 through the decode kernel and T = 3 through the tiled one for every
 # format; T = 3 through the decode kernel for one format per (group, bias) pair
 MATMUL_CASES = [(1, "matvec"), (3, "tiled")]
@@ -137,18 +130,18 @@ QMATMUL_CASES = ([(fmt, T, path) for fmt in QUANT_FORMATS for T, path in MATMUL_
 
 @pytest.mark.parametrize("fmt,T,path", QMATMUL_CASES)
 def test_qmatmul_matches_cpu(fmt, T, path):
-    """Every quantized format through the uniform layout: G = 16 and 32, with and without bias."""
+    """Every quantized format read from its own blocks: G = 16 and 32, with and without bias."""
     f = FORMATS_BY_NAME[fmt]
     rng = rng_for("qmatmul", fmt, T, path)
     K = 256 if f.activation == "q8_k" else 96  # 96: the tiled kernel's last chunk is partial
     N = 10  # not a multiple of either kernel's rows per block
     raw = random_blocks(fmt, N, K, rng)
     x = rng.standard_normal((T, K)).astype(np.float32)
-    q, scale, bias = unpack(f, raw, K)
     want = cpu_qmatmul(fmt, raw, x)
 
-    w = gpu.upload_matrix(q, scale, bias, f.group)
+    w = gpu.upload_blocks(f, raw, K)
     assert w.has_bias == f.has_bias and w.group == f.group
+    np.testing.assert_array_equal(to_host(w.raw), raw)  # the file's bytes, as they are
     act = gpu.quantize(cuda.to_device(x), KINDS[f.activation])
     out = cuda.device_array((T, N), np.float32)
     gpu.qmatmul(w, act, out, batched=path == "tiled")

@@ -436,3 +436,15 @@ def test_gpu_check_compares_the_replay_modes(two_layer_q4_0):
         expected = "direct" if not cuda_env.REAL_GPU else mode
         assert result[mode]["used"] == expected and result[mode]["max_abs_diff_vs_off"] == 0.0
         assert result[mode]["launches_per_step"] == LAUNCHES_PER_LLAMA_LAYER * 2 + LAUNCHES_AFTER_THE_LAYERS
+
+
+@pytest.mark.parametrize("name", ["llama-k-quants", "gemma3-global-k-quants"])
+def test_quantized_weights_take_the_files_bytes_on_the_device(model_files, name):
+    """The blocks are uploaded as the file holds them (no widening to int8 codes and float
+    scales): the device's weights are the file's tensor bytes, less the host's embedding table
+    where the output matrix is a tensor of its own."""
+    backend = cuda_backend(model_files[name])
+    tensors = backend.arch.gguf.tensors
+    on_device = sum(t.n_bytes for name, t in tensors.items()
+                    if name != "token_embd.weight" or backend.output_name == "token_embd.weight")
+    assert backend.weight_bytes() == on_device

@@ -10,7 +10,9 @@ Modules:
     registry    KERNELS: every kernel with the signatures it is checked for
     device      device helpers (f16 rounding, int8 dot products, block reductions)
     norm_quant  rmsnorm, activation quantization, the two fused
+    blocks      GGUF's quantized blocks decoded in registers (codes, group scales)
     matmul      quantized and float matrix products, the device weight layouts
+    launch      every launch, recorded and replayed (decode steps)
     ops         RoPE + KV store, SwiGLU, GeGLU, residual add
     attention   attention over the f16 KV cache
 """
@@ -24,7 +26,7 @@ if not hasattr(_np, "row_stack"):
 
 from .attention import attention, attention_kernel  # noqa: E402 (after the numpy alias)
 from .matmul import (
-    FWeights, QWeights, fmatmul, gpu_layout, qmatmul, round_activations, upload_float_matrix, upload_matrix,
+    FWeights, QWeights, fmatmul, qmatmul, round_activations, upload_blocks, upload_float_matrix,
 )
 from .norm_quant import QActivations, quantize, rmsnorm, rmsnorm_quantize
 from .ops import add_inplace, geglu, rope_store_kv, store_kv, swiglu
@@ -32,6 +34,6 @@ from .registry import KERNELS
 
 __all__ = [
     "KERNELS", "FWeights", "QActivations", "QWeights", "add_inplace", "attention", "attention_kernel",
-    "fmatmul", "geglu", "gpu_layout", "qmatmul", "quantize", "rmsnorm", "rmsnorm_quantize",
-    "rope_store_kv", "round_activations", "store_kv", "swiglu", "upload_float_matrix", "upload_matrix",
+    "fmatmul", "geglu", "qmatmul", "quantize", "rmsnorm", "rmsnorm_quantize",
+    "rope_store_kv", "round_activations", "store_kv", "swiglu", "upload_blocks", "upload_float_matrix",
 ]

@@ -63,6 +63,10 @@ class DeviceMatrix:
     def n_rows(self) -> int:
         return self.weights.n_rows
 
+    @property
+    def weights_are_blocks(self) -> bool:
+        return self.kind != FLOAT_KIND
+
 
 class BufferPool:
     """Device buffers by (row class, trailing shape, dtype); rows are rounded up to a power of

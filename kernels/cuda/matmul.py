@@ -1,20 +1,16 @@
 """Matrix products on the GPU: quantized weights with quantized activations, and float weights.
 
-GPU layout of a quantized matrix (built by `gpu_layout` from the uniform layout of
-minillm.formats, uploaded once by `upload_matrix`):
-    words int32   (N, K/4)   the int8 codes q of each row, 4 per word (q row-major viewed as int32)
-    scale float32 (N, K/G)
-    bias  float32 (N, K/G)   (1, 1) zeros and has_bias = 0 for formats without a min
-Row-major words let the consecutive threads of a warp read consecutive words of one row
-(coalesced), and the same words tile cleanly into shared memory for the batched kernel.
+A quantized matrix stays as the file's blocks (kernels/cuda/blocks.py: raw uint8 (N, row_bytes)
+and its float16 view), decoded in registers:
 
-    out[t, n] = sum_g scale[n, g] * d_x[t, g] * isum(n, t, g)  (+ bias[n, g] * s_x[t, g])
+    out[t, n] = sum_g scale(n, g) * d_x[t, g] * isum(n, t, g)  (+ bias(n, g) * s_x[t, g])
 
-with isum the exact int32 dot product of the group's codes. Two kernels:
-  - qmatvec_kernel (T <= MATVEC_MAX_T, decode): one warp per row, lanes over the row's words,
-    partial sums added by a warp shuffle tree;
+with isum the exact int32 dot product of group g's codes and the activations' int8 codes, and
+the group's float32 terms added in order of g, as ggml sums a row's blocks. Two kernels:
+  - qmatvec_kernel (T <= MATVEC_MAX_T, decode): one warp per row, each lane a group at a time
+    (its codes decoded once for every token), partial sums added by a warp shuffle tree;
   - qmatmul_tiled_kernel (prefill): TILE_N rows x TILE_T tokens per block, K walked in chunks of
-    CHUNK_WORDS words staged in shared memory, each thread one output.
+    CHUNK_WORDS words of 4 codes, decoded into shared memory, each thread one output.
 The float kernels (fmatvec_kernel, fmatmul_tiled_kernel) have the same shapes for F32/F16/BF16
 weights (kept as float16 on the device for F16, float32 otherwise); as on the CPU's float path
 (kernels/cpu/layers.py), the activations are first rounded to the weight type (round_f16_kernel,
@@ -27,12 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from .device import WARP, dot4, f16_round, pow2_threads, warp_sum
+from .blocks import FORMAT_IDS, code, group_scale
+from .device import WARP, dot4, f16_round, pack4, pow2_threads, signed_byte, warp_sum
 from .launch import launch
 from .registry import kernel
 
 MATVEC_ROWS = 4        # rows (warps) per block of the matrix-vector kernels
 MATVEC_MAX_T = 4       # batches up to this many tokens use the matrix-vector kernels
+MAX_GROUP = 32         # the largest group of codes sharing one scale
 TILE_N = 16            # weight rows per block of the tiled kernels
 TILE_T = 16            # tokens per block of the tiled kernels
 CHUNK_WORDS = 32       # int32 words of K staged per step (128 int8 codes: 4 or 8 whole groups)
@@ -40,37 +38,45 @@ CHUNK_F = 32           # float values of K staged per step in the float tiled ke
 CHUNK_WORDS_PAD = CHUNK_WORDS + 1  # shared row length: the +1 keeps a warp's rows on distinct banks
 CHUNK_F_PAD = CHUNK_F + 1
 
-_Q_ARGS = ("int32[:, ::1], float32[:, ::1], float32[:, ::1], int64, int64, "
+_Q_ARGS = ("uint8[:, ::1], float16[:, ::1], int64, int64, int64, "
            "int32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1]")
 
 
 @kernel(f"void({_Q_ARGS})")
-def qmatvec_kernel(w_words, scale, bias, has_bias, group, x_words, xd, xs, out):
-    """out (T, N) for small T; block (WARP, MATVEC_ROWS), grid ceil(N / MATVEC_ROWS)."""
+def qmatvec_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
+    """out (T, N) for T <= MATVEC_MAX_T; block (WARP, MATVEC_ROWS), grid ceil(N / MATVEC_ROWS)."""
     partial = cuda.shared.array((MATVEC_ROWS, WARP), np.float32)  # warp_sum's scratch (simulator only)
+    codes = cuda.local.array(MAX_GROUP, np.int32)   # (group,) the codes of the lane's group
+    acc = cuda.local.array(MATVEC_MAX_T, np.float32)  # (T,) the lane's partial sums
     lane = cuda.threadIdx.x
-    r = cuda.threadIdx.y
-    n = cuda.blockIdx.x * MATVEC_ROWS + r
-    N, n_words = w_words.shape
-    n_groups = scale.shape[1]
-    words_per_group = group // 4
-    for t in range(out.shape[0]):
-        acc = np.float32(0.0)
-        if n < N:
-            for i in range(lane, n_words, WARP):
-                g = i // words_per_group
-                isum = dot4(w_words[n, i], x_words[t, i])
-                acc += scale[n, g] * xd[t, g] * np.float32(isum)
-            if has_bias:
-                for g in range(lane, n_groups, WARP):
-                    acc += bias[n, g] * xs[t, g]
-        total = warp_sum(acc, partial)
+    n = cuda.blockIdx.x * MATVEC_ROWS + cuda.threadIdx.y
+    T = out.shape[0]
+    N = raw.shape[0]
+    n_groups = x_words.shape[1] * 4 // group
+    for t in range(T):
+        acc[t] = np.float32(0.0)
+    if n < N:
+        for g in range(lane, n_groups, WARP):
+            for j in range(group):
+                codes[j] = code(raw, n, fmt, g * group + j)
+            scale, bias = group_scale(raw, raw_h, n, fmt, g)
+            for t in range(T):
+                isum = 0
+                for w in range(group // 4):
+                    x_word = x_words[t, g * (group // 4) + w]
+                    for j in range(4):
+                        isum += codes[4 * w + j] * signed_byte(x_word, j)
+                acc[t] += scale * xd[t, g] * np.float32(isum)
+                if has_bias:
+                    acc[t] += bias * xs[t, g]
+    for t in range(T):
+        total = warp_sum(acc[t], partial)
         if lane == 0 and n < N:
             out[t, n] = total
 
 
 @kernel(f"void({_Q_ARGS})")
-def qmatmul_tiled_kernel(w_words, scale, bias, has_bias, group, x_words, xd, xs, out):
+def qmatmul_tiled_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
     """out (T, N); block (TILE_N, TILE_T), grid (ceil(N / TILE_N), ceil(T / TILE_T))."""
     w_sh = cuda.shared.array((TILE_N, CHUNK_WORDS_PAD), np.int32)
     x_sh = cuda.shared.array((TILE_T, CHUNK_WORDS_PAD), np.int32)
@@ -80,9 +86,9 @@ def qmatmul_tiled_kernel(w_words, scale, bias, has_bias, group, x_words, xd, xs,
     t0 = cuda.blockIdx.y * TILE_T
     n = n0 + tn
     t = t0 + tt
-    N, n_words = w_words.shape
-    T = x_words.shape[0]
-    n_groups = scale.shape[1]
+    N = raw.shape[0]
+    T, n_words = x_words.shape
+    n_groups = n_words * 4 // group
     words_per_group = group // 4
     flat = tt * TILE_N + tn
     acc = np.float32(0.0)
@@ -90,8 +96,12 @@ def qmatmul_tiled_kernel(w_words, scale, bias, has_bias, group, x_words, xd, xs,
         for e in range(flat, TILE_N * CHUNK_WORDS, TILE_N * TILE_T):
             row = e // CHUNK_WORDS
             col = e % CHUNK_WORDS
-            ok = n0 + row < N and c0 + col < n_words
-            w_sh[row, col] = w_words[n0 + row, c0 + col] if ok else 0
+            word = 0
+            if n0 + row < N and c0 + col < n_words:
+                k = (c0 + col) * 4
+                word = pack4(code(raw, n0 + row, fmt, k), code(raw, n0 + row, fmt, k + 1),
+                             code(raw, n0 + row, fmt, k + 2), code(raw, n0 + row, fmt, k + 3))
+            w_sh[row, col] = word
         for e in range(flat, TILE_T * CHUNK_WORDS, TILE_N * TILE_T):
             row = e // CHUNK_WORDS
             col = e % CHUNK_WORDS
@@ -105,9 +115,10 @@ def qmatmul_tiled_kernel(w_words, scale, bias, has_bias, group, x_words, xd, xs,
                 for j in range(gi * words_per_group, (gi + 1) * words_per_group):
                     isum += dot4(w_sh[tn, j], x_sh[tt, j])
                 g = g0 + gi
-                acc += scale[n, g] * xd[t, g] * np.float32(isum)
+                scale, bias = group_scale(raw, raw_h, n, fmt, g)
+                acc += scale * xd[t, g] * np.float32(isum)
                 if has_bias:
-                    acc += bias[n, g] * xs[t, g]
+                    acc += bias * xs[t, g]
         cuda.syncthreads()
     if n < N and t < T:
         out[t, n] = acc
@@ -191,13 +202,13 @@ def round_bf16_kernel(x_bits, out_bits):
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class QWeights:
-    """A quantized matrix on the device (see the module doc)."""
+    """A quantized matrix on the device: the file's blocks (see kernels/cuda/blocks.py)."""
 
-    words: object   # int32 (N, K/4)
-    scale: object   # float32 (N, K/G)
-    bias: object    # float32 (N, K/G), or (1, 1) when has_bias is False
+    raw: object     # uint8 (N, row_bytes)
+    raw_h: object   # float16 (N, row_bytes / 2): the same memory
+    fmt: int        # blocks.FORMAT_IDS
+    group: int      # codes sharing a scale (16 or 32)
     has_bias: bool
-    group: int
     n_rows: int
     n_cols: int
 
@@ -212,24 +223,15 @@ class FWeights:
     n_cols: int
 
 
-def gpu_layout(q: np.ndarray, scale: np.ndarray, bias: np.ndarray):
-    """Uniform layout (q (N, K) int8, scale, bias (N, K/G) or (N, 0)) -> host arrays of the GPU layout."""
-    N, K = q.shape
-    if K % 4:
-        raise ValueError(f"row length {K} is not a multiple of 4")
-    words = np.ascontiguousarray(q, dtype=np.int8).view("<i4").astype(np.int32, copy=False)
-    has_bias = bias.shape[1] > 0
-    bias_arr = np.ascontiguousarray(bias, np.float32) if has_bias else np.zeros((1, 1), np.float32)
-    return words.reshape(N, K // 4), np.ascontiguousarray(scale, np.float32), bias_arr, has_bias
-
-
-def upload_matrix(q: np.ndarray, scale: np.ndarray, bias: np.ndarray, group: int) -> QWeights:
-    """Build the GPU layout of a quantized matrix and copy it to the device (once, at load)."""
-    if group not in (16, 32) or scale.shape[1] * group != q.shape[1]:
-        raise ValueError(f"group {group} does not match q {q.shape} and scale {scale.shape}")
-    words, scale, bias, has_bias = gpu_layout(q, scale, bias)
-    return QWeights(cuda.to_device(words), cuda.to_device(scale), cuda.to_device(bias), has_bias, group,
-                    q.shape[0], q.shape[1])
+def upload_blocks(fmt, raw: np.ndarray, n_cols: int) -> QWeights:
+    """A quantized Format's rows of blocks raw (N, row_bytes) uint8 copied to the device as they are."""
+    if fmt.name not in FORMAT_IDS or fmt.group not in (16, 32):
+        raise ValueError(f"the CUDA products do not read {fmt.name} blocks")
+    if raw.shape[1] != n_cols // fmt.block_size * fmt.type_size or n_cols % fmt.block_size:
+        raise ValueError(f"{fmt.name}: rows of {raw.shape[1]} bytes do not hold {n_cols} values")
+    device_raw = cuda.to_device(np.ascontiguousarray(raw, np.uint8))
+    return QWeights(device_raw, device_raw.view(np.float16), FORMAT_IDS[fmt.name], fmt.group, fmt.has_bias,
+                    raw.shape[0], n_cols)
 
 
 def upload_float_matrix(weight: np.ndarray, fmt_name: str) -> FWeights:
@@ -256,7 +258,7 @@ def qmatmul(w: QWeights, act, out, batched: bool | None = None):
     if K != w.n_cols or out.shape != (T, w.n_rows):
         raise ValueError(f"shapes: W ({w.n_rows}, {w.n_cols}), x ({T}, {K}), out {out.shape}")
     xd, xs = act.scales(w.group)
-    args = (w.words, w.scale, w.bias, int(w.has_bias), w.group, act.words, xd, xs, out)
+    args = (w.raw, w.raw_h, w.fmt, w.group, int(w.has_bias), act.words, xd, xs, out)
     if not _use_tiled(T, batched):
         launch(qmatvec_kernel, _grid(w.n_rows, MATVEC_ROWS), (WARP, MATVEC_ROWS), *args)
     else:

@@ -19,9 +19,9 @@ from numba import cuda
 
 from ..errors import MinillmError, ModelError
 from ..kernels.cpu.matmul import KIND_IDS
-from ..kernels.cpu.unpack import dequantize, unpack
+from ..kernels.cpu.unpack import dequantize
 from ..kernels.cuda import layers as cuda_layers
-from ..kernels.cuda import rmsnorm, upload_float_matrix, upload_matrix
+from ..kernels.cuda import rmsnorm, upload_blocks, upload_float_matrix
 from ..kernels.cuda.attention import MAX_HEAD_DIM
 from ..kernels.cuda.launch import REPLAY_MODES, Replay, new_stream, recording
 from ..kernels.cuda.layers import FLOAT_KIND, DeviceKV, DeviceMatrix
@@ -163,12 +163,21 @@ class CudaBackend(Backend):
             raise ModelError(f"tensor '{name}': rows of {n_cols} values are longer than the CUDA "
                              f"kernels quantize ({MAX_K})")
         if fmt.quantized:
-            q, scale, bias = unpack(fmt, raw, n_cols)  # (N, K) codes, (N, K/G) scales and biases
-            matrix = DeviceMatrix(upload_matrix(q, scale, bias, fmt.group), KIND_IDS[fmt.activation])
+            matrix = DeviceMatrix(upload_blocks(fmt, raw, n_cols), KIND_IDS[fmt.activation])  # as in the file
         else:
             matrix = DeviceMatrix(upload_float_matrix(dequantize(fmt, raw, n_cols), fmt.name), FLOAT_KIND)
         gguf.release_pages(name)
         return matrix
+
+    def weight_bytes(self) -> int:
+        """Device bytes the weights take (quantized blocks as in the file, floats as uploaded)."""
+        def nbytes(item) -> int:
+            if isinstance(item, DeviceMatrix):
+                return item.weights.raw.nbytes if item.weights_are_blocks else item.weights.weight.nbytes
+            return item.nbytes
+
+        return sum(nbytes(item) for layer in self.layers for item in layer) + nbytes(self.output) + \
+            nbytes(self.output_norm)
 
     # -- caches and forward passes ----------------------------------------------------
     def new_cache(self, n_ctx: int, n_keep: int = 0, batch_size: int = 512) -> CudaKVCache:

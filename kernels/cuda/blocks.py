@@ -1,0 +1,142 @@
+"""GGUF's quantized blocks read in place on the device: a weight's integer code and its group's
+scale and bias, decoded in registers by the products (kernels/cuda/matmul.py).
+
+A quantized matrix is uploaded as the file stores it, one row of blocks a row:
+    raw    uint8   (N, row_bytes)     the blocks
+    raw_h  float16 (N, row_bytes / 2) the same memory as float16 (every block size is even and
+                                      every f16 field of a block sits at an even offset)
+so the device holds exactly the file's bytes, and a token's products read each weight's bits
+once. The values are those of minillm.kernels.cpu.unpack (the uniform layout of
+minillm.formats): code(e) * scale(g) + bias(g) is ggml's dequantized weight e of group g, the
+scale and bias computed with the same float32 operations.
+
+Formats are numbered (FORMAT_IDS); the kernels take the number as an argument and branch on it
+(the same branch for every thread of a launch).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .registry import device
+
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = range(10)
+FORMAT_IDS = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "Q8_0": Q8_0, "Q2_K": Q2_K,
+              "Q3_K": Q3_K, "Q4_K": Q4_K, "Q5_K": Q5_K, "Q6_K": Q6_K}
+
+
+@device
+def _byte(raw, n, i):
+    return np.int32(raw[n, i])
+
+
+@device
+def _f16(raw_h, n, offset):
+    """The float16 field at byte `offset` of row n, as float32 (exact)."""
+    return np.float32(raw_h[n, offset // 2])
+
+
+@device
+def _code_32(raw, n, fmt, e):
+    """Code of weight e of a row in a format of 32-value blocks."""
+    b = e // 32
+    l = e % 32
+    if fmt == Q4_0:
+        return ((_byte(raw, n, b * 18 + 2 + l % 16) >> (4 * (l // 16))) & 15) - 8
+    if fmt == Q4_1:
+        return (_byte(raw, n, b * 20 + 4 + l % 16) >> (4 * (l // 16))) & 15
+    if fmt == Q8_0:
+        v = _byte(raw, n, b * 34 + 2 + l)
+        return v - 256 * (v >> 7)
+    # Q5_0, Q5_1: a 32-bit word of fifth bits (bit l: weight l), then the nibbles
+    o = b * 22 if fmt == Q5_0 else b * 24 + 2
+    high = (_byte(raw, n, o + 2 + l // 8) >> (l % 8)) & 1
+    low = (_byte(raw, n, o + 6 + l % 16) >> (4 * (l // 16))) & 15
+    return (low | (high << 4)) - (16 if fmt == Q5_0 else 0)
+
+
+@device
+def _code_k(raw, n, fmt, e):
+    """Code of weight e of a row in a K-quant (256-value super-blocks)."""
+    b = e // 256
+    E = e % 256
+    h = E // 128
+    rem = E % 128
+    if fmt == Q2_K or fmt == Q3_K:
+        j = rem // 32
+        s = (rem % 32) // 16
+        l = rem % 16
+        if fmt == Q2_K:
+            return (_byte(raw, n, b * 84 + 16 + h * 32 + s * 16 + l) >> (2 * j)) & 3
+        o = b * 110
+        v = (_byte(raw, n, o + 32 + h * 32 + s * 16 + l) >> (2 * j)) & 3
+        hbit = (_byte(raw, n, o + s * 16 + l) >> (h * 4 + j)) & 1
+        return v - 4 * (1 - hbit)
+    if fmt == Q6_K:
+        o = b * 210
+        quarter = rem // 32
+        l = rem % 32
+        low = (_byte(raw, n, o + h * 64 + (quarter % 2) * 32 + l) >> (4 * (quarter // 2))) & 15
+        high = (_byte(raw, n, o + 128 + h * 32 + l) >> (2 * quarter)) & 3
+        return (low | (high << 4)) - 32
+    # Q4_K, Q5_K: 64-value chunks c of 32 bytes, low nibbles first
+    c = E // 64
+    w = E % 64
+    l = w % 32
+    if fmt == Q4_K:
+        return (_byte(raw, n, b * 144 + 16 + c * 32 + l) >> (4 * (w // 32))) & 15
+    o = b * 176
+    low = (_byte(raw, n, o + 48 + c * 32 + l) >> (4 * (w // 32))) & 15
+    return low + 16 * ((_byte(raw, n, o + 16 + l) >> (2 * c + w // 32)) & 1)
+
+
+@device
+def code(raw, n, fmt, e):
+    """The signed integer code of weight e of row n."""
+    if fmt <= Q8_0:
+        return _code_32(raw, n, fmt, e)
+    return _code_k(raw, n, fmt, e)
+
+
+@device
+def _scale_min_k4(raw, n, o, j):
+    """Q4_K's / Q5_K's 6-bit scale and min number j (0..7) of the 12 bytes at raw[n, o:]."""
+    if j < 4:
+        return _byte(raw, n, o + j) & 63, _byte(raw, n, o + j + 4) & 63
+    sc = (_byte(raw, n, o + j + 4) & 15) | ((_byte(raw, n, o + j - 4) >> 6) << 4)
+    m = (_byte(raw, n, o + j + 4) >> 4) | ((_byte(raw, n, o + j) >> 6) << 4)
+    return sc, m
+
+
+@device
+def group_scale(raw, raw_h, n, fmt, g):
+    """(scale, bias) float32 of group g of row n (bias 0 for formats without one)."""
+    zero = np.float32(0.0)
+    if fmt == Q4_0:
+        return _f16(raw_h, n, g * 18), zero
+    if fmt == Q4_1:
+        return _f16(raw_h, n, g * 20), _f16(raw_h, n, g * 20 + 2)
+    if fmt == Q5_0:
+        return _f16(raw_h, n, g * 22), zero
+    if fmt == Q5_1:
+        return _f16(raw_h, n, g * 24), _f16(raw_h, n, g * 24 + 2)
+    if fmt == Q8_0:
+        return _f16(raw_h, n, g * 34), zero
+    if fmt == Q2_K:
+        o = (g // 16) * 84
+        sc = _byte(raw, n, o + g % 16)
+        return (_f16(raw_h, n, o + 80) * np.float32(sc & 15),
+                -(_f16(raw_h, n, o + 82) * np.float32(sc >> 4)))
+    if fmt == Q3_K:
+        o = (g // 16) * 110
+        k = g % 16
+        low = (_byte(raw, n, o + 96 + k % 4 + 4 * ((k // 4) % 2)) >> (4 * (k // 8))) & 15
+        high = (_byte(raw, n, o + 104 + k % 4) >> (2 * (k // 4))) & 3
+        return _f16(raw_h, n, o + 108) * np.float32((low | (high << 4)) - 32), zero
+    if fmt == Q6_K:
+        o = (g // 16) * 210
+        v = _byte(raw, n, o + 192 + g % 16)
+        return _f16(raw_h, n, o + 208) * np.float32(v - 256 * (v >> 7)), zero
+    # Q4_K, Q5_K: d, dmin, then the 12 bytes of 6-bit scales and mins
+    o = (g // 8) * (144 if fmt == Q4_K else 176)
+    sc, m = _scale_min_k4(raw, n, o + 4, g % 8)
+    return _f16(raw_h, n, o) * np.float32(sc), -(_f16(raw_h, n, o + 2) * np.float32(m))
