@@ -21,7 +21,8 @@ rope_attend rotates q and k, add(x, y) computes x + y into y, add_bias and scale
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -29,7 +30,7 @@ from numba import cuda
 
 from .attention import attention
 from .matmul import FWeights, QWeights, fmatmul, qmatmul
-from .norm_quant import QActivations, quantize, rmsnorm
+from .norm_quant import QActivations, quantize, rmsnorm, rmsnorm_quantize
 from .launch import COUNTS, launch
 from .ops import _launch, add_inplace, add_rows_kernel, geglu as geglu_into, rope_store_kv, scale_kernel, swiglu as swiglu_into
 
@@ -58,6 +59,8 @@ class DeviceMatrix:
 
     weights: QWeights | FWeights
     kind: int  # the activation quantization it takes (KIND_Q8_0/Q8_1/Q8_K), FLOAT_KIND for floats
+    # the matrices stacked with this one for single-token products (_stacked), by the others' ids
+    stacks: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def n_rows(self) -> int:
@@ -124,36 +127,90 @@ def using_pool(pool: BufferPool):
 
 def recycle(keep=()) -> None:
     POOL.recycle(keep)
+    _QUANTIZED.clear()
+    _NORMED_BY.clear()
 
 
 # ---- matrix products -------------------------------------------------------------------
+#
+# Two fusions spare launches and passes over memory:
+#  - a norm whose output the next product quantizes quantizes it in the same launch
+#    (rmsnorm_quantize): the kind each norm's weight is followed by is learned on the first
+#    pass (_NORM_KINDS), and the quantized rows wait in _QUANTIZED for the product that reads them;
+#  - a single token's products with matrices of one format, width and activation kind (q, k, v;
+#    gate, up) are one launch over their rows stacked: the matrices are moved into one device
+#    buffer on first use, each keeping a view of its rows (no byte stored twice).
+
+_NORM_KINDS: dict[int, tuple] = {}  # id(norm weight) -> (weak reference to it, the kind after it)
+_QUANTIZED: dict[int, tuple] = {}  # id(x) -> (x, norm weight, its QActivations) until the buffers recycle
+_NORMED_BY: dict[int, tuple] = {}  # id(x) -> (x, norm weight): the norms' outputs not quantized yet
+
+
+def _activation_buffers(T: int, K: int, kind: int) -> QActivations:
+    return QActivations(kind, POOL.take((T, K // 4), np.int32),
+                        POOL.take((T, K // 16)), POOL.take((T, K // 16)),   # d16, s16
+                        POOL.take((T, K // 32)), POOL.take((T, K // 32)))   # d32, s32
+
 
 def _quantize(x, kind: int):
     """x (T, K) quantized for activation kind into pooled buffers; None for float weights."""
     if kind == FLOAT_KIND:
         return None
-    T, K = x.shape
-    act = QActivations(kind, POOL.take((T, K // 4), np.int32),
-                       POOL.take((T, K // 16)), POOL.take((T, K // 16)),   # d16, s16
-                       POOL.take((T, K // 32)), POOL.take((T, K // 32)))   # d32, s32
-    return quantize(x, kind, act)
+    done = _QUANTIZED.get(id(x))
+    if done is not None and done[0] is x and done[2].kind == kind:
+        return done[2]
+    normed = _NORMED_BY.get(id(x))
+    if normed is not None and normed[0] is x:
+        _NORM_KINDS[id(normed[1])] = (weakref.ref(normed[1]), kind)  # the next pass quantizes in the norm's launch
+    return quantize(x, kind, _activation_buffers(*x.shape, kind))
 
 
-def _apply(w: DeviceMatrix, x, act):
+def _apply(w: DeviceMatrix, x, act, out=None):
     """out (T, N) = x @ W.T, act the quantized x for w's kind (None for float weights)."""
-    out = POOL.take((x.shape[0], w.n_rows))
+    out = POOL.take((x.shape[0], w.n_rows)) if out is None else out
     if w.kind == FLOAT_KIND:
         return fmatmul(w.weights, x, out, scratch=POOL.take(x.shape), batched=BATCHED)
     return qmatmul(w.weights, act, out, batched=BATCHED)
 
 
-def _shared_quantization(weights, x) -> list:
-    """The quantized x for each matrix, quantizing once per distinct activation kind."""
+def _stacked(weights) -> DeviceMatrix | None:
+    """One DeviceMatrix over the rows of `weights` (same format, width and kind), or None."""
+    first = weights[0]
+    key = tuple(id(w) for w in weights[1:])
+    if key in first.stacks:
+        return first.stacks[key]
+    blocks = [w.weights for w in weights]
+    same = all(w.weights_are_blocks and w.kind == first.kind for w in weights) and \
+        len({(b.fmt, b.n_cols) for b in blocks}) == 1
+    stacked = None
+    if same:
+        raw = cuda.device_array((sum(b.n_rows for b in blocks), blocks[0].raw.shape[1]), np.uint8)
+        raw_h = raw.view(np.float16)
+        r0 = 0
+        for b in blocks:
+            raw[r0:r0 + b.n_rows].copy_to_device(b.raw)
+            b.raw, b.raw_h = raw[r0:r0 + b.n_rows], raw_h[r0:r0 + b.n_rows]
+            r0 += b.n_rows
+        stacked = DeviceMatrix(QWeights(raw, raw_h, blocks[0].fmt, blocks[0].group, blocks[0].has_bias, r0,
+                                        blocks[0].n_cols), first.kind)
+    first.stacks[key] = stacked
+    return stacked
+
+
+def _products(weights, x) -> list:
+    """x @ W.T for each matrix: one launch for a single token where they stack, else one each,
+    quantizing x once per distinct activation kind."""
+    if x.shape[0] == 1 and BATCHED is not True:
+        stacked = _stacked(weights)
+        if stacked is not None:
+            out = _apply(stacked, x, _quantize(x, stacked.kind))
+            bounds = np.cumsum([0] + [w.n_rows for w in weights])
+            return [out[:, a:b] for a, b in zip(bounds[:-1], bounds[1:])]  # (1, N_i) views: contiguous
     by_kind = {}
     for w in weights:
         if w.kind not in by_kind:
             by_kind[w.kind] = _quantize(x, w.kind)
-    return [by_kind[w.kind] for w in weights]
+    return [_apply(w, x, by_kind[w.kind]) for w in weights]
 
 
 def linear(w, x):
@@ -162,20 +219,27 @@ def linear(w, x):
 
 
 def linear2(w1, w2, x):
-    a1, a2 = _shared_quantization((w1, w2), x)
-    return _apply(w1, x, a1), _apply(w2, x, a2)
+    return tuple(_products((w1, w2), x))
 
 
 def linear3(w1, w2, w3, x):
-    a1, a2, a3 = _shared_quantization((w1, w2, w3), x)
-    return _apply(w1, x, a1), _apply(w2, x, a2), _apply(w3, x, a3)
+    return tuple(_products((w1, w2, w3), x))
 
 
 # ---- norms, attention, element-wise ------------------------------------------------------
 
 def norm(x, weight, eps):
-    """rmsnorm(x) * weight over the last axis: x (R, W) -> new (R, W)."""
-    return rmsnorm(x, weight, eps, POOL.take(x.shape))
+    """rmsnorm(x) * weight over the last axis: x (R, W) -> new (R, W); quantized in the same
+    launch when a product has quantized this norm's output before."""
+    out = POOL.take(x.shape)
+    learned = _NORM_KINDS.get(id(weight))
+    kind = learned[1] if learned is not None and learned[0]() is weight else None
+    if kind is None:
+        _NORMED_BY[id(out)] = (out, weight)
+        return rmsnorm(x, weight, eps, out)
+    act = rmsnorm_quantize(x, weight, eps, kind, out, _activation_buffers(*x.shape, kind))
+    _QUANTIZED[id(out)] = (out, weight, act)
+    return out
 
 
 def head_norm(x, weight, eps, n_heads, head_dim):
