@@ -274,3 +274,29 @@ def test_f16_weights_kept_as_bit_patterns_multiply_as_their_values():
             fm.float_matmul(w16.astype(np.float32), x, fm.FLOAT_F16, as_values)
             assert np.array_equal(as_bits, as_values), (n_rows, cols, n_tokens)
     assert Matrix("w", FORMATS_BY_NAME["F16"], w16.view(np.uint8), 5, 72).packed.fweight.dtype == np.uint16
+
+
+def test_bf16_weights_kept_as_bit_patterns_multiply_as_their_values():
+    """BF16 matrices stay bfloat16 bit patterns (int16, half the bytes). With AVX512_BF16 their
+    products take vdpbf16ps itself (tiles for batches, two accumulators for one row); every path
+    gives the bits the same weights widened to float32 give through the step-by-step emulation
+    of the instruction (and without AVX512_BF16, through tinyBLAS and ggml_vec_dot_bf16)."""
+    from minillm.kernels.cpu import float_matmul as fm
+
+    def to_bf16_bits(a):
+        u = a.view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16).view(np.int16)
+
+    rng = np.random.default_rng(5)
+    for n_rows, cols in ((9, 576), (5, 608), (4, 72)):  # 608: a tail past the last 64; 72: no vector steps
+        bits = to_bf16_bits(rng.standard_normal((n_rows, cols)).astype(np.float32))
+        values = (bits.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        for n_tokens in (1, 3, 9):
+            x = (to_bf16_bits(rng.standard_normal((n_tokens, cols)).astype(np.float32)).view(np.uint16)
+                 .astype(np.uint32) << 16).view(np.float32)  # rounded as ggml does
+            as_bits, as_values = (np.empty((n_tokens, n_rows), np.float32) for _ in range(2))
+            fm.float_matmul(bits, x, fm.FLOAT_BF16, as_bits)
+            fm.float_matmul(values, x, fm.FLOAT_BF16, as_values)
+            assert np.array_equal(as_bits, as_values), (n_rows, cols, n_tokens)
+    raw = bits.view(np.uint8)
+    assert Matrix("w", FORMATS_BY_NAME["BF16"], raw, 4, 72).packed.fweight.dtype == np.int16

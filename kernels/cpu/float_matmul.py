@@ -23,10 +23,11 @@ from numba import types
 from numba.extending import overload
 
 from .attention import F16_DOT_STEP, _reduce8, _reduce16
-from .f16 import f16_value
+from .f16 import f16_value, float32_from_bits
 from .fma import fma
 from .ops import GGML_AVX512, GGML_AVX512_BF16
-from .simd import dot_f16_32, dot_f16_64, fma_lanes_2x4, fma_lanes_2x8
+from .simd import (dot_f16_32, dot_f16_64, dpbf16_dot_2, dpbf16_lanes_2x4, dpbf16_lanes_2x8, fma_lanes_2x4,
+                   fma_lanes_2x8)
 
 LANES = 16 if GGML_AVX512 else 8
 _FLT_MIN = np.float32(1.1754944e-38)  # the smallest normal float32
@@ -39,6 +40,9 @@ def float_matmul(weight, x, fmt, out):
     N, K = weight.shape
     T = x.shape[0]
     w, xf = weight.reshape(N * K), x.reshape(T * K)
+    if GGML_AVX512_BF16 and _holds_bf16_bits(w) and K % 32 == 0:
+        _dpbf16_products(w, _bf16_bits(xf), N, K, T, out)
+        return
     if T >= 2 and LANES == 16 and K % 16 == 0 and not (fmt == FLOAT_BF16 and GGML_AVX512_BF16):
         _tiny_blas_tiles(w, xf, N, K, T, out)
         return
@@ -65,13 +69,15 @@ def _tiny_blas_tiles(w, x, N, K, T, out):
     in registers, so that a weight vector loads once for the tile's rows and an activation
     vector once for its two weight rows; a partial tile repeats its last rows, unused."""
     if T >= 8:
-        _tiles(w, x, N, K, T, out, fma_lanes_2x8, 8)
+        _tiles(w, x, N, K, T, out, fma_lanes_2x8, 8, 16)
     else:
-        _tiles(w, x, N, K, T, out, fma_lanes_2x4, 4)
+        _tiles(w, x, N, K, T, out, fma_lanes_2x4, 4, 16)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _tiles(w, x, N, K, T, out, fma_lanes, n_x):
+def _tiles(w, x, N, K, T, out, lanes, n_x, step):
+    """Tiles of 2 weight rows by n_x activation rows: lanes(...) leaves each output's 16-lane
+    accumulator over K // step steps, then its hsum."""
     for pair in nb.prange((N + 1) // 2):
         acc = np.empty(2 * n_x * 16, np.float32)   # (2, n_x, 16): each output's lanes
         w_at = np.empty(2, np.int64)               # where each weight row starts
@@ -82,20 +88,66 @@ def _tiles(w, x, N, K, T, out, fma_lanes, n_x):
         for t0 in range(0, T, n_x):
             for r in range(n_x):
                 x_at[r] = min(t0 + r, T - 1) * K
-            fma_lanes(w, w_at, x, x_at, K // 16, acc)
+            lanes(w, w_at, x, x_at, K // step, acc)
             for k in range(n_rows):
                 for r in range(min(n_x, T - t0)):
                     out[t0 + r, n0 + k] = _reduce16(acc, 16 * (n_x * k + r))
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def _bf16_bits(x):
+    """x (n,) float32 holding bfloat16 values (rounded already) -> their bit patterns (int16)."""
+    words = x.view(np.int32)
+    bits = np.empty(x.size, np.int16)
+    for i in range(x.size):
+        bits[i] = np.int16(words[i] >> 16)
+    return bits
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _dpbf16_products(w, xb, N, K, T, out):
+    """BF16 with AVX512_BF16, K a multiple of 32, bf16 bit patterns on both sides: tinyBLAS's
+    single accumulator over steps of 32 in register tiles (2 weight rows by 8 or 4 activation
+    rows) for batches, ggml_vec_dot_bf16's two over steps of 64 (the rest in double) for one row."""
+    if T >= 2:
+        if T >= 8:
+            _tiles(w, xb, N, K, T, out, dpbf16_lanes_2x8, 8, 32)
+        else:
+            _tiles(w, xb, N, K, T, out, dpbf16_lanes_2x4, 4, 32)
+        return
+    for n in nb.prange(N):
+        acc = np.empty(32, np.float32)  # (2, 16): the two accumulators
+        at = np.empty(2, np.int64)      # where the weight row and the activations start
+        at[0] = n * K
+        at[1] = 0
+        dpbf16_dot_2(w, at[:1], xb, at[1:], K // 64, acc)
+        wide = np.float64(_reduce16(acc, 0)) + np.float64(_reduce16(acc, 16))
+        for k in range(K - K % 64, K):
+            wide += np.float64(_weight(w, n * K + k) * _weight(xb, k))
+        out[0, n] = np.float32(wide)
+
+
+def _holds_bf16_bits(w):
+    """Whether w holds bfloat16 bit patterns (int16), known when compiling."""
+
+
+@overload(_holds_bf16_bits)
+def _holds_bf16_bits_impl(w):
+    is_bits = w.dtype == types.int16
+    return lambda w: is_bits
+
+
 def _weight(w, i):
-    """w[i] as float32: F16 weights are kept as their bit patterns (uint16, half F32's bytes)."""
+    """w[i] as float32: F16 weights are kept as their bit patterns (uint16, half F32's bytes),
+    BF16 weights as theirs (int16: numpy has no bfloat16, and uint16 means float16 here)."""
 
 
 @overload(_weight, inline="always")
 def _weight_impl(w, i):
     if w.dtype == types.uint16:
         return lambda w, i: f16_value(w[i])
+    if w.dtype == types.int16:
+        return lambda w, i: float32_from_bits(np.int32(np.uint16(w[i])) << 16)
     return lambda w, i: w[i]
 
 

@@ -38,7 +38,8 @@ class Weights(NamedTuple):
     bias: np.ndarray          # (NT, K/G or 0, R) likewise: mins
     offset: int               # code offset (Q4_0: 8; formats with a min: 0)
     bits: int                 # code width in data
-    fweight: np.ndarray       # (N, K) float32 of F32/BF16, uint16 float16 bits of F16, else (0, 0) float32
+    fweight: np.ndarray       # (N, K) float32 of F32, uint16 float16 bits of F16, int16 bfloat16 bits of BF16,
+                              # else (0, 0) float32
     n_rows: int
     group: int                # values a scale covers
     kind: int                 # the activation quantization it pairs with (matmul.KIND_*), -1 for floats

@@ -24,11 +24,15 @@ def _ptr(context, builder, array_type, array, offset, vector_type):
 
 
 def _load_f32x16(context, builder, array_type, array, offset):
-    """16 consecutive values of a float32 array, or of a uint16 array of float16 bit patterns
-    (the KV cache) widened to float32 (vcvtph2ps), as <16 x float>."""
-    if array_type.dtype == types.uint16:
+    """16 consecutive values of a float32 array, of a uint16 array of float16 bit patterns (the
+    KV cache, F16 weights) widened to float32 (vcvtph2ps), or of an int16 array of bfloat16 bit
+    patterns (BF16 weights) widened by a shift, as <16 x float>."""
+    if array_type.dtype in (types.uint16, types.int16):
         halves = builder.load(_ptr(context, builder, array_type, array, offset, ir.VectorType(ir.IntType(16), LANES)),
                               align=2)
+        if array_type.dtype == types.int16:
+            wide = builder.shl(builder.zext(halves, _I32X16), ir.Constant(_I32X16, [16] * LANES))
+            return builder.bitcast(wide, _F32X16)
         return builder.fpext(builder.bitcast(halves, ir.VectorType(ir.HalfType(), LANES)), _F32X16)
     return builder.load(_ptr(context, builder, array_type, array, offset, _F32X16), align=4)
 
@@ -566,3 +570,76 @@ def dot_f16_32(typingctx, a, a_off, b, b_off, n32):
         return builder.fadd(builder.fadd(lane(0), lane(1)), builder.fadd(lane(2), lane(3)))
 
     return sig, codegen
+
+
+class _BFloat(ir.Type):
+    """LLVM's bfloat (llvmlite's IR builder has no class for it)."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+_BF16X32 = ir.VectorType(_BFloat(), 32)
+_I16X32 = ir.VectorType(ir.IntType(16), 32)
+
+
+def _dpbf16_lanes(n_w, n_x, n_chain):
+    """An intrinsic: vdpbf16ps accumulators for n_w weight rows (starting at w_at[i]) by n_x
+    activation rows (at x_at[r]), n_chain accumulators each: step i's c-th 32 values (at
+    32 * (n_chain * i + c)) go to accumulator c, acc[16 * (n_chain * (n_x * k + r) + c) + j],
+    from zero, in registers. w and x are int16 arrays of bfloat16 bit patterns. Lane j of one
+    vdpbf16ps adds the products of the step's values 2j + 1 and 2j (exact in float32), with
+    ggml's rounding and flushing of subnormals: the instruction llama.cpp's BF16 products take."""
+
+    @intrinsic
+    def dpbf16_lanes(typingctx, w, w_at, x, x_at, n_steps, acc):
+        sig = types.void(w, w_at, x, x_at, types.intp, acc)
+
+        def codegen(context, builder, signature, args):
+            w_a, w_at_a, x_a, x_at_a, n, acc_a = args
+            c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+            dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X16, [_F32X16, _BF16X32, _BF16X32]),
+                                                "llvm.x86.avx512bf16.dpbf16ps.512")
+
+            def starts(array_type, array, count):
+                data = cgutils.create_struct_proxy(array_type)(context, builder, value=array).data
+                return [builder.load(builder.gep(data, [c(k)])) for k in range(count)]
+
+            def load(array_type, array, at):
+                halves = builder.load(_ptr(context, builder, array_type, array, at, _I16X32), align=2)
+                return builder.bitcast(halves, _BF16X32)
+
+            w_starts = starts(signature.args[1], w_at_a, n_w)
+            x_starts = starts(signature.args[3], x_at_a, n_x)
+
+            def body(i, carried):
+                out = list(carried)
+                for ch in range(n_chain):
+                    at = builder.add(builder.mul(i, c(32 * n_chain)), c(32 * ch))
+                    wv = [load(signature.args[0], w_a, builder.add(o, at)) for o in w_starts]
+                    xv = [load(signature.args[2], x_a, builder.add(o, at)) for o in x_starts]
+                    for k in range(n_w):
+                        for r in range(n_x):
+                            slot = n_chain * (n_x * k + r) + ch
+                            out[slot] = builder.call(dp, [out[slot], wv[k], xv[r]])
+                return out
+
+            sums = _loop(builder, n, [ir.Constant(_F32X16, 0.0)] * (n_w * n_x * n_chain), body)
+            for k, v in enumerate(sums):
+                builder.store(v, _ptr(context, builder, signature.args[5], acc_a, c(16 * k), _F32X16), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dpbf16_lanes
+
+
+dpbf16_lanes_2x4 = _dpbf16_lanes(2, 4, 1)
+dpbf16_lanes_2x8 = _dpbf16_lanes(2, 8, 1)
+dpbf16_dot_2 = _dpbf16_lanes(1, 1, 2)  # ggml_vec_dot_bf16: two accumulators over steps of 64
