@@ -116,3 +116,15 @@ def test_both_ggml_v_expf_variants_are_exp():
         assert (np.abs(got - exact) / ulp).max() <= 2.5, avx2
         edges = run(np.array([-200.0, -104.0, 89.0, 200.0], np.float32), avx2)
         assert edges[0] == 0 and edges[1] == 0 and np.isinf(edges[2]) and np.isinf(edges[3])
+
+
+def test_a_cpu_model_keeps_freed_activation_memory_in_the_heap(tmp_path):
+    """glibc would unmap each freed activation array of more than 128 KiB and fault its pages
+    in again on the next pass; a CPU model raises its thresholds once (memory.keep_freed_memory)."""
+    import sys
+
+    from minillm import memory
+
+    minillm.load(SyntheticModel("llama", "Q8_0", n_layer=1).build().write(tmp_path / "m.gguf"))
+    assert sys.platform.startswith("linux") and memory._kept_freed_memory
+    assert memory.keep_freed_memory() is True  # once: a second call changes nothing

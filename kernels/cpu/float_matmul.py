@@ -26,12 +26,13 @@ from .attention import F16_DOT_STEP, _reduce8, _reduce16
 from .f16 import f16_value, float32_from_bits
 from .fma import fma
 from .ops import GGML_AVX512, GGML_AVX512_BF16
-from .simd import (dot_f16_32, dot_f16_64, dpbf16_dot_2, dpbf16_lanes_2x4, dpbf16_lanes_2x8, fma_lanes_2x4,
-                   fma_lanes_2x8)
+from .simd import (dot_f16_32, dot_f16_64, dpbf16_dot_2, dpbf16_lanes_2x4, dpbf16_lanes_4x6, fma_lanes_2x4,
+                   fma_lanes_2x8, fma_lanes_4x6)
 
 LANES = 16 if GGML_AVX512 else 8
 _FLT_MIN = np.float32(1.1754944e-38)  # the smallest normal float32
 FLOAT_F32, FLOAT_F16, FLOAT_BF16 = 0, 1, 2
+X_BLOCK_BYTES = 256 * 1024  # activation rows a pass over the weights reads (well inside L2)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
@@ -69,29 +70,35 @@ def _tiny_blas_tiles(w, x, N, K, T, out):
     in registers, so that a weight vector loads once for the tile's rows and an activation
     vector once for its two weight rows; a partial tile repeats its last rows, unused."""
     if T >= 8:
-        _tiles(w, x, N, K, T, out, fma_lanes_2x8, 8, 16)
+        _tiles(w, x, N, K, T, out, fma_lanes_4x6, 4, 6, 16)
     else:
-        _tiles(w, x, N, K, T, out, fma_lanes_2x4, 4, 16)
+        _tiles(w, x, N, K, T, out, fma_lanes_2x4, 2, 4, 16)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _tiles(w, x, N, K, T, out, lanes, n_x, step):
-    """Tiles of 2 weight rows by n_x activation rows: lanes(...) leaves each output's 16-lane
-    accumulator over K // step steps, then its hsum."""
-    for pair in nb.prange((N + 1) // 2):
-        acc = np.empty(2 * n_x * 16, np.float32)   # (2, n_x, 16): each output's lanes
-        w_at = np.empty(2, np.int64)               # where each weight row starts
-        x_at = np.empty(n_x, np.int64)             # where each activation row starts
-        n0, n_rows = 2 * pair, min(2, N - 2 * pair)
-        for k in range(2):
-            w_at[k] = min(n0 + k, N - 1) * K
-        for t0 in range(0, T, n_x):
-            for r in range(n_x):
-                x_at[r] = min(t0 + r, T - 1) * K
-            lanes(w, w_at, x, x_at, K // step, acc)
-            for k in range(n_rows):
-                for r in range(min(n_x, T - t0)):
-                    out[t0 + r, n0 + k] = _reduce16(acc, 16 * (n_x * k + r))
+def _tiles(w, x, N, K, T, out, lanes, n_w, n_x, step):
+    """Tiles of n_w weight rows by n_x activation rows: lanes(...) leaves each output's 16-lane
+    accumulator over K // step steps, then its hsum. The activations are taken a block of rows
+    at a time, as many as fit X_BLOCK_BYTES, and every tile of weight rows walks the block: each
+    pass over the weights then reads activations from L2, not from memory. A partial tile
+    repeats its last rows, unused."""
+    block = max(n_x, X_BLOCK_BYTES // (K * x.itemsize) // n_x * n_x)
+    for b0 in range(0, T, block):
+        b1 = min(T, b0 + block)
+        for tile in nb.prange((N + n_w - 1) // n_w):
+            acc = np.empty(n_w * n_x * 16, np.float32)  # (n_w, n_x, 16): each output's lanes
+            w_at = np.empty(n_w, np.int64)              # where each weight row starts
+            x_at = np.empty(n_x, np.int64)              # where each activation row starts
+            n0, n_rows = n_w * tile, min(n_w, N - n_w * tile)
+            for k in range(n_w):
+                w_at[k] = min(n0 + k, N - 1) * K
+            for t0 in range(b0, b1, n_x):
+                for r in range(n_x):
+                    x_at[r] = min(t0 + r, T - 1) * K
+                lanes(w, w_at, x, x_at, K // step, acc)
+                for k in range(n_rows):
+                    for r in range(min(n_x, b1 - t0)):
+                        out[t0 + r, n0 + k] = _reduce16(acc, 16 * (n_x * k + r))
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -111,9 +118,9 @@ def _dpbf16_products(w, xb, N, K, T, out):
     rows) for batches, ggml_vec_dot_bf16's two over steps of 64 (the rest in double) for one row."""
     if T >= 2:
         if T >= 8:
-            _tiles(w, xb, N, K, T, out, dpbf16_lanes_2x8, 8, 32)
+            _tiles(w, xb, N, K, T, out, dpbf16_lanes_4x6, 4, 6, 32)
         else:
-            _tiles(w, xb, N, K, T, out, dpbf16_lanes_2x4, 4, 32)
+            _tiles(w, xb, N, K, T, out, dpbf16_lanes_2x4, 2, 4, 32)
         return
     for n in nb.prange(N):
         acc = np.empty(32, np.float32)  # (2, 16): the two accumulators

@@ -410,6 +410,7 @@ def _fma_lanes(n_w, n_x):
 
 fma_lanes_2x4 = _fma_lanes(2, 4)
 fma_lanes_2x8 = _fma_lanes(2, 8)
+fma_lanes_4x6 = _fma_lanes(4, 6)
 
 
 @intrinsic
@@ -641,5 +642,5 @@ def _dpbf16_lanes(n_w, n_x, n_chain):
 
 
 dpbf16_lanes_2x4 = _dpbf16_lanes(2, 4, 1)
-dpbf16_lanes_2x8 = _dpbf16_lanes(2, 8, 1)
+dpbf16_lanes_4x6 = _dpbf16_lanes(4, 6, 1)
 dpbf16_dot_2 = _dpbf16_lanes(1, 1, 2)  # ggml_vec_dot_bf16: two accumulators over steps of 64

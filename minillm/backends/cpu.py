@@ -10,7 +10,7 @@ import numpy as np
 from ..kernels.cpu import ops
 from ..kernels.cpu.layers import NO_PAGING, KVView, linear, plain
 from ..kv_cache import KVCache
-from ..memory import release_compiler_pages
+from ..memory import keep_freed_memory, release_compiler_pages
 from ..weights import Matrix, row_by_row
 from .base import Backend
 
@@ -20,6 +20,7 @@ class CpuBackend(Backend):
 
     def __init__(self, arch, cache_types: tuple[str, str], progress=None):
         super().__init__(arch, cache_types, progress)
+        keep_freed_memory()  # each pass's activations reuse the last pass's pages
         self.layer_function = arch.layer_function
         self.row_layers = None  # self.layers with every product computed row by row (forward_rows)
 
