@@ -50,8 +50,8 @@ class Weights(NamedTuple):
 
 
 # a Weights field's index in the plain tuple, for compiled code
-W_DATA, W_OFFSET, W_BITS, W_N_ROWS, W_KIND, W_PRODUCT = (Weights._fields.index(name) for name in (
-    "data", "offset", "bits", "n_rows", "kind", "product"))
+W_DATA, W_OFFSET, W_BITS, W_N_ROWS, W_KIND, W_FLOAT_FORMAT, W_PRODUCT = (Weights._fields.index(name) for name in (
+    "data", "offset", "bits", "n_rows", "kind", "float_format", "product"))
 
 
 class Paging(NamedTuple):
@@ -106,11 +106,13 @@ def quantize(x, kind):
     return q.reshape(T * K), d16, s16, n16, d32, s32, n32, n4
 
 
-@nb.njit(**_SER)
+@nb.njit(parallel=True, cache=True, nogil=True)
 def _round_to_format(x, fmt):
+    """x (T, K) rounded to F16's or BF16's values (nearest even), as ggml converts activations
+    to a float weight's vec_dot type."""
     out = np.empty_like(x)
     T, K = x.shape
-    for t in range(T):
+    for t in nb.prange(T):
         for k in range(K):
             v = x[t, k]
             if fmt == FLOAT_F16:
@@ -123,13 +125,34 @@ def _round_to_format(x, fmt):
 
 
 @nb.njit(**_WRAPPER)
+def _activations(w, x):
+    """x quantized for W's kind; for float weights, which read x itself, quantize's arrays of no rows."""
+    kind = w[W_KIND]
+    return quantize(x if kind >= 0 else x[:0], max(kind, 0))
+
+
+@nb.njit(**_WRAPPER)
+def _float_input(w, x):
+    """x as W's float product reads it: rounded to F16's or BF16's values; x itself otherwise."""
+    if w[W_KIND] < 0 and w[W_FLOAT_FORMAT] != FLOAT_F32:
+        return _round_to_format(x, w[W_FLOAT_FORMAT])
+    return x
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _same_input(w1, w2):
+    """Whether W2 reads what W1 reads: the same activation kind and, for floats, the same format."""
+    return w2[W_KIND] == w1[W_KIND] and (w1[W_KIND] >= 0 or w2[W_FLOAT_FORMAT] == w1[W_FLOAT_FORMAT])
+
+
+@nb.njit(**_WRAPPER)
 def _apply(w, x, act):
-    """out (T, N) = x @ W.T with act = quantize(x, W's kind) (unused for float weights)."""
+    """out (T, N) = x @ W.T with act = _activations(W, x), x = _float_input(W, x) for float weights."""
     data, scale, bias, offset, bits, fweight, n_rows, group, kind, float_format, sb, product, row_by_row = w
     T = x.shape[0]
     out = np.empty((T, n_rows), np.float32)
     if kind < 0:
-        float_matmul(fweight, _round_to_format(x, float_format), float_format, out)
+        float_matmul(fweight, x, float_format, out)
         return out
     q, d16, s16, n16, d32, s32, n32, n4 = act
     if product == PRODUCT_LANES or product == PRODUCT_LANES_BLOCKS:
@@ -147,7 +170,7 @@ def _apply(w, x, act):
 @nb.njit(**_WRAPPER)
 def linear(w, x):
     """out (T, N) = x (T, K) @ W.T, activations quantized as llama.cpp pairs them with W."""
-    return _apply(w, x, quantize(x, max(w[W_KIND], 0)))
+    return _apply(w, _float_input(w, x), _activations(w, x))
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -174,26 +197,29 @@ def _lanes3(w1, w2, w3, n_mats, x):
 
 @nb.njit(**_WRAPPER)
 def linear2(w1, w2, x):
-    """(x @ W1.T, x @ W2.T), quantizing x once when both take the same activation kind."""
+    """(x @ W1.T, x @ W2.T), quantizing (or rounding) x once when both read it alike."""
     if _lanes_together(w1, w2, w1):
         o1, o2, _ = _lanes3(w1, w2, w1, 2, x)
         return o1, o2
-    k1, k2 = w1[W_KIND], w2[W_KIND]
-    a1 = quantize(x, max(k1, 0))
-    a2 = a1 if k2 == k1 else quantize(x, max(k2, 0))
-    return _apply(w1, x, a1), _apply(w2, x, a2)
+    a1, x1 = _activations(w1, x), _float_input(w1, x)
+    a2, x2 = (a1, x1) if _same_input(w1, w2) else (_activations(w2, x), _float_input(w2, x))
+    return _apply(w1, x1, a1), _apply(w2, x2, a2)
 
 
 @nb.njit(**_WRAPPER)
 def linear3(w1, w2, w3, x):
-    """(x @ W1.T, x @ W2.T, x @ W3.T), quantizing x once per distinct activation kind."""
+    """(x @ W1.T, x @ W2.T, x @ W3.T), quantizing (or rounding) x once per distinct input."""
     if _lanes_together(w1, w2, w3):
         return _lanes3(w1, w2, w3, 3, x)
-    k1, k2, k3 = w1[W_KIND], w2[W_KIND], w3[W_KIND]
-    a1 = quantize(x, max(k1, 0))
-    a2 = a1 if k2 == k1 else quantize(x, max(k2, 0))
-    a3 = a1 if k3 == k1 else (a2 if k3 == k2 else quantize(x, max(k3, 0)))
-    return _apply(w1, x, a1), _apply(w2, x, a2), _apply(w3, x, a3)
+    a1, x1 = _activations(w1, x), _float_input(w1, x)
+    a2, x2 = (a1, x1) if _same_input(w1, w2) else (_activations(w2, x), _float_input(w2, x))
+    if _same_input(w1, w3):
+        a3, x3 = a1, x1
+    elif _same_input(w2, w3):
+        a3, x3 = a2, x2
+    else:
+        a3, x3 = _activations(w3, x), _float_input(w3, x)
+    return _apply(w1, x1, a1), _apply(w2, x2, a2), _apply(w3, x3, a3)
 
 
 @nb.njit(**_SER)
