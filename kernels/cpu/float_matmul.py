@@ -26,12 +26,13 @@ from .attention import F16_DOT_STEP, _reduce8, _reduce16
 from .f16 import f16_value, float32_from_bits
 from .fma import fma
 from .ops import GGML_AVX512, GGML_AVX512_BF16
-from .simd import (dot_f16_32, dot_f16_64, dpbf16_dot_2, dpbf16_lanes_2x4, dpbf16_lanes_4x6, fma_lanes_2x4,
+from .simd import (dot_f16_32, dot_f16_64_ahead, dpbf16_dot_4x2, dpbf16_lanes_2x4, dpbf16_lanes_4x6, fma_lanes_2x4,
                    fma_lanes_2x8, fma_lanes_4x6)
 
 LANES = 16 if GGML_AVX512 else 8
 _FLT_MIN = np.float32(1.1754944e-38)  # the smallest normal float32
 FLOAT_F32, FLOAT_F16, FLOAT_BF16 = 0, 1, 2
+PARALLEL_MIN = 1 << 16     # element-wise passes over fewer values run on one thread (no fork/join)
 X_BLOCK_BYTES = 256 * 1024  # activation rows a pass over the weights reads (well inside L2)
 
 
@@ -41,26 +42,78 @@ def float_matmul(weight, x, fmt, out):
     N, K = weight.shape
     T = x.shape[0]
     w, xf = weight.reshape(N * K), x.reshape(T * K)
-    if GGML_AVX512_BF16 and _holds_bf16_bits(w) and K % 32 == 0:
+    if T == 1:
+        xb = _bf16_bits(xf if _vector_bf16(w, K) else xf[:0])
+        for quad in nb.prange((N + 3) // 4):
+            _four_rows(w, N, K, quad, xf, xb, fmt, out)
+        return
+    if _vector_bf16(w, K):
         _dpbf16_products(w, _bf16_bits(xf), N, K, T, out)
         return
-    if T >= 2 and LANES == 16 and K % 16 == 0 and not (fmt == FLOAT_BF16 and GGML_AVX512_BF16):
+    if LANES == 16 and K % 16 == 0 and not (fmt == FLOAT_BF16 and GGML_AVX512_BF16):
         _tiny_blas_tiles(w, xf, N, K, T, out)
         return
     for n in nb.prange(N):
         acc = np.empty(4 * LANES, np.float32)
         for t in range(T):
             if fmt == FLOAT_BF16 and GGML_AVX512_BF16:
-                if T >= 2:
-                    out[t, n] = _dpbf16_dot(w, n * K, xf, t * K, K, acc, 1, 32)
-                else:
-                    out[t, n] = _dpbf16_dot(w, n * K, xf, t * K, K, acc, 2, 64)
-            elif T >= 2:
-                out[t, n] = _tiny_blas_dot(w, n * K, xf, t * K, K, acc)
-            elif fmt == FLOAT_BF16:
-                out[t, n] = _vec_dot_bf16(w, n * K, xf, t * K, K, acc)
+                out[t, n] = _dpbf16_dot(w, n * K, xf, t * K, K, acc, 1, 32)
             else:
-                out[t, n] = _vec_dot(w, n * K, xf, t * K, K, fmt == FLOAT_F16)
+                out[t, n] = _tiny_blas_dot(w, n * K, xf, t * K, K, acc)
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def float_matvec3(w1, w2, w3, n_mats, x, fmt, o1, o2, o3):
+    """o_i (1, N_i) = x (1, K) @ w_i.T for n_mats (2 or 3) matrices of one float format and
+    width, in one parallel region (a token's q/k/v or gate/up), each output as float_matmul's."""
+    K = x.shape[1]
+    xf = x.reshape(K)
+    xb = _bf16_bits(xf if _vector_bf16(w1, K) else xf[:0])
+    N1, N2, N3 = w1.shape[0], w2.shape[0], w3.shape[0] if n_mats == 3 else 0
+    q1, q2, q3 = (N1 + 3) // 4, (N2 + 3) // 4, (N3 + 3) // 4
+    f1, f2, f3 = w1.reshape(N1 * K), w2.reshape(N2 * K), w3.reshape(w3.shape[0] * K)
+    for quad in nb.prange(q1 + q2 + q3):
+        if quad < q1:
+            _four_rows(f1, N1, K, quad, xf, xb, fmt, o1)
+        elif quad < q1 + q2:
+            _four_rows(f2, N2, K, quad - q1, xf, xb, fmt, o2)
+        else:
+            _four_rows(f3, N3, K, quad - q1 - q2, xf, xb, fmt, o3)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _vector_bf16(w, K):
+    """Whether BF16 products take vdpbf16ps on whole vectors: the CPU has it, w holds bf16 bit
+    patterns and K is a multiple of 32."""
+    return GGML_AVX512_BF16 and _holds_bf16_bits(w) and K % 32 == 0
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _four_rows(w, N, K, quad, xf, xb, fmt, out):
+    """out[0, n] for rows n of quad (4 rows: fewer for the last) of w (N * K,) flat, one token:
+    ggml's vec_dot for the format (module doc); xb: x's bf16 bits where _vector_bf16."""
+    if _vector_bf16(w, K):
+        acc = np.empty(4 * 2, np.float32)   # (4, 2): the hsums of each row's two accumulators
+        at = np.empty(5, np.int64)          # where the 4 weight rows (the last repeated) and x start
+        for k in range(4):
+            at[k] = min(4 * quad + k, N - 1) * K
+        at[4] = 0
+        dpbf16_dot_4x2(w, at[:4], xb, at[4:], K // 64, acc)  # the activations load once for 4 rows
+        for k in range(min(4, N - 4 * quad)):
+            n = 4 * quad + k
+            wide = np.float64(acc[2 * k]) + np.float64(acc[2 * k + 1])
+            for i in range(K - K % 64, K):
+                wide += np.float64(_weight(w, n * K + i) * _weight(xb, i))
+            out[0, n] = np.float32(wide)
+        return
+    acc = np.empty(4 * LANES, np.float32)
+    for n in range(4 * quad, min(4 * quad + 4, N)):
+        if fmt == FLOAT_BF16 and GGML_AVX512_BF16:
+            out[0, n] = _dpbf16_dot(w, n * K, xf, 0, K, acc, 2, 64)
+        elif fmt == FLOAT_BF16:
+            out[0, n] = _vec_dot_bf16(w, n * K, xf, 0, K, acc)
+        else:
+            out[0, n] = _vec_dot(w, n * K, xf, 0, K, fmt == FLOAT_F16)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -106,32 +159,23 @@ def _bf16_bits(x):
     """x (n,) float32 holding bfloat16 values (rounded already) -> their bit patterns (int16)."""
     words = x.view(np.int32)
     bits = np.empty(x.size, np.int16)
-    for i in range(x.size):
+    if x.size < PARALLEL_MIN:
+        for i in range(x.size):
+            bits[i] = np.int16(words[i] >> 16)
+        return bits
+    for i in nb.prange(x.size):
         bits[i] = np.int16(words[i] >> 16)
     return bits
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
 def _dpbf16_products(w, xb, N, K, T, out):
-    """BF16 with AVX512_BF16, K a multiple of 32, bf16 bit patterns on both sides: tinyBLAS's
-    single accumulator over steps of 32 in register tiles (2 weight rows by 8 or 4 activation
-    rows) for batches, ggml_vec_dot_bf16's two over steps of 64 (the rest in double) for one row."""
-    if T >= 2:
-        if T >= 8:
-            _tiles(w, xb, N, K, T, out, dpbf16_lanes_4x6, 4, 6, 32)
-        else:
-            _tiles(w, xb, N, K, T, out, dpbf16_lanes_2x4, 2, 4, 32)
-        return
-    for n in nb.prange(N):
-        acc = np.empty(32, np.float32)  # (2, 16): the two accumulators
-        at = np.empty(2, np.int64)      # where the weight row and the activations start
-        at[0] = n * K
-        at[1] = 0
-        dpbf16_dot_2(w, at[:1], xb, at[1:], K // 64, acc)
-        wide = np.float64(_reduce16(acc, 0)) + np.float64(_reduce16(acc, 16))
-        for k in range(K - K % 64, K):
-            wide += np.float64(_weight(w, n * K + k) * _weight(xb, k))
-        out[0, n] = np.float32(wide)
+    """A batch (T >= 2) with BF16 weights where _vector_bf16: tinyBLAS's single accumulator over
+    steps of 32, in register tiles (4 weight rows by 6 activation rows, 2 by 4 under 8 rows)."""
+    if T >= 8:
+        _tiles(w, xb, N, K, T, out, dpbf16_lanes_4x6, 4, 6, 32)
+    else:
+        _tiles(w, xb, N, K, T, out, dpbf16_lanes_2x4, 2, 4, 32)
 
 
 def _holds_bf16_bits(w):
@@ -176,7 +220,7 @@ def _tiny_blas_dot(w, w_at, x, x_at, K, acc):
 def _vec_dot(w, w_at, x, x_at, K, f16):
     n_simd = K - K % F16_DOT_STEP
     if F16_DOT_STEP == 64:
-        total = dot_f16_64(w, w_at, x, x_at, n_simd)
+        total = dot_f16_64_ahead(w, w_at, x, x_at, n_simd)
     else:
         total = dot_f16_32(w, w_at, x, x_at, n_simd)
     if f16:  # ggml_float sum of the rest

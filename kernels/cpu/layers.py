@@ -21,7 +21,7 @@ from . import ops
 from .attention import attention, attention_rows
 from .attention_q import attention_quantized, hadamard_rotated, rotation_size, store_kv_quantized
 from .f16 import f16_round
-from .float_matmul import FLOAT_BF16, FLOAT_F16, FLOAT_F32, float_matmul
+from .float_matmul import FLOAT_BF16, FLOAT_F16, FLOAT_F32, PARALLEL_MIN, float_matmul, float_matvec3
 from .k_quants import qmatmul_k_lanes
 from .lanes import qmatmul_lanes, qmatmul_lanes3
 from .matmul import (KIND_Q8_1, PRODUCT_K_LANES, PRODUCT_K_LANES_8X8, PRODUCT_LANES, PRODUCT_LANES_BLOCKS, PRODUCT_Q4_K,
@@ -50,8 +50,9 @@ class Weights(NamedTuple):
 
 
 # a Weights field's index in the plain tuple, for compiled code
-W_DATA, W_OFFSET, W_BITS, W_N_ROWS, W_KIND, W_FLOAT_FORMAT, W_PRODUCT = (Weights._fields.index(name) for name in (
-    "data", "offset", "bits", "n_rows", "kind", "float_format", "product"))
+W_DATA, W_OFFSET, W_BITS, W_FWEIGHT, W_N_ROWS, W_KIND, W_FLOAT_FORMAT, W_PRODUCT = (
+    Weights._fields.index(name) for name in ("data", "offset", "bits", "fweight", "n_rows", "kind", "float_format",
+                                             "product"))
 
 
 class Paging(NamedTuple):
@@ -112,16 +113,25 @@ def _round_to_format(x, fmt):
     to a float weight's vec_dot type."""
     out = np.empty_like(x)
     T, K = x.shape
+    if T * K < PARALLEL_MIN:  # one token: a fork/join would cost more than the pass
+        for t in range(T):
+            _round_row(x, t, fmt, out)
+        return out
     for t in nb.prange(T):
-        for k in range(K):
-            v = x[t, k]
-            if fmt == FLOAT_F16:
-                v = f16_round(v)
-            elif fmt == FLOAT_BF16:
-                c = _SPLIT_BF16 * v
-                v = c - (c - v)
-            out[t, k] = v
+        _round_row(x, t, fmt, out)
     return out
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _round_row(x, t, fmt, out):
+    for k in range(x.shape[1]):
+        v = x[t, k]
+        if fmt == FLOAT_F16:
+            v = f16_round(v)
+        elif fmt == FLOAT_BF16:
+            c = _SPLIT_BF16 * v
+            v = c - (c - v)
+        out[t, k] = v
 
 
 @nb.njit(**_WRAPPER)
@@ -195,11 +205,31 @@ def _lanes3(w1, w2, w3, n_mats, x):
     return o1, o2, o3
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def _float_token(w1, w2, w3, x):
+    """Whether one token's products with float matrices of one format run in one parallel region."""
+    return x.shape[0] == 1 and w1[W_KIND] < 0 and _same_input(w1, w2) and _same_input(w1, w3)
+
+
+@nb.njit(**_WRAPPER)
+def _float_token_products(w1, w2, w3, n_mats, x):
+    """(x @ W1.T, x @ W2.T, x @ W3.T or an empty array) for one token (see _float_token)."""
+    xr = _float_input(w1, x)
+    fw1, fw2, fw3 = w1[W_FWEIGHT], w2[W_FWEIGHT], w3[W_FWEIGHT]
+    o1, o2 = np.empty((1, fw1.shape[0]), np.float32), np.empty((1, fw2.shape[0]), np.float32)
+    o3 = np.empty((1, fw3.shape[0] if n_mats == 3 else 0), np.float32)
+    float_matvec3(fw1, fw2, fw3, n_mats, xr, w1[W_FLOAT_FORMAT], o1, o2, o3)
+    return o1, o2, o3
+
+
 @nb.njit(**_WRAPPER)
 def linear2(w1, w2, x):
     """(x @ W1.T, x @ W2.T), quantizing (or rounding) x once when both read it alike."""
     if _lanes_together(w1, w2, w1):
         o1, o2, _ = _lanes3(w1, w2, w1, 2, x)
+        return o1, o2
+    if _float_token(w1, w2, w1, x):
+        o1, o2, _ = _float_token_products(w1, w2, w1, 2, x)
         return o1, o2
     a1, x1 = _activations(w1, x), _float_input(w1, x)
     a2, x2 = (a1, x1) if _same_input(w1, w2) else (_activations(w2, x), _float_input(w2, x))
@@ -211,6 +241,8 @@ def linear3(w1, w2, w3, x):
     """(x @ W1.T, x @ W2.T, x @ W3.T), quantizing (or rounding) x once per distinct input."""
     if _lanes_together(w1, w2, w3):
         return _lanes3(w1, w2, w3, 3, x)
+    if _float_token(w1, w2, w3, x):
+        return _float_token_products(w1, w2, w3, 3, x)
     a1, x1 = _activations(w1, x), _float_input(w1, x)
     a2, x2 = (a1, x1) if _same_input(w1, w2) else (_activations(w2, x), _float_input(w2, x))
     if _same_input(w1, w3):

@@ -519,16 +519,21 @@ def _halve(builder, v, n):
     return builder.fadd(lo, hi)
 
 
-def _dot_f16_accumulators(context, builder, signature, args, n_acc):
+def _dot_f16_accumulators(context, builder, signature, args, n_acc, ahead=0):
     """The 16-lane fma accumulators of an f16 dot product over steps of 16 * n_acc values
     (args: a, a_off, b, b_off, n, n a multiple of the step): accumulator k takes values
-    16k..16k+15 of each step."""
+    16k..16k+15 of each step. ahead: each step also asks for a's lines `ahead` values further
+    on, into L2 (a matrix's rows walked one after the other)."""
     a_a, a_o, b_a, b_o, n = args
     c = lambda v: ir.Constant(a_o.type, v)  # noqa: E731
     step = 16 * n_acc
+    a_data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=a_a).data
 
     def body(i, carried):
         at = builder.mul(i, c(step))
+        if ahead:
+            for k in range(n_acc):
+                prefetch_line(builder, builder.gep(a_data, [builder.add(a_o, builder.add(at, c(16 * k + ahead)))]), 2)
         return [_fma(builder,
                      _load_f32x16(context, builder, signature.args[0], a_a, builder.add(a_o, builder.add(at, c(16 * k)))),
                      _load_f32x16(context, builder, signature.args[2], b_a, builder.add(b_o, builder.add(at, c(16 * k)))),
@@ -538,22 +543,29 @@ def _dot_f16_accumulators(context, builder, signature, args, n_acc):
     return _loop(builder, builder.sdiv(n, c(step)), [ir.Constant(_F32X16, None)] * n_acc, body)
 
 
-@intrinsic
-def dot_f16_64(typingctx, a, a_off, b, b_off, n64):
-    """ggml_vec_dot_f16 (AVX-512) over the first n64 (a multiple of 64) values of a and b, in
-    registers: 4 accumulators of 16 lanes, fma over steps of 64, summed (0 + 2) + (1 + 3), then
-    _mm512_reduce_add_ps's halving tree 16 -> 8 -> 4 and (0 + 2) + (1 + 3). float32. Either array
-    may hold float16 bit patterns (uint16), widened as they load."""
-    sig = types.float32(a, types.intp, b, types.intp, types.intp)
+def _dot_f16_64(ahead):
+    @intrinsic
+    def dot_f16_64(typingctx, a, a_off, b, b_off, n64):
+        """ggml_vec_dot_f16 (AVX-512) over the first n64 (a multiple of 64) values of a and b, in
+        registers: 4 accumulators of 16 lanes, fma over steps of 64, summed (0 + 2) + (1 + 3), then
+        _mm512_reduce_add_ps's halving tree 16 -> 8 -> 4 and (0 + 2) + (1 + 3). float32. Either array
+        may hold float16 bit patterns (uint16), widened as they load."""
+        sig = types.float32(a, types.intp, b, types.intp, types.intp)
 
-    def codegen(context, builder, signature, args):
-        acc0, acc1, acc2, acc3 = _dot_f16_accumulators(context, builder, signature, args, 4)
-        s16 = builder.fadd(builder.fadd(acc0, acc2), builder.fadd(acc1, acc3))
-        s4 = _halve(builder, _halve(builder, s16, 8), 4)
-        lane = lambda j: builder.extract_element(s4, ir.Constant(_I32, j))  # noqa: E731
-        return builder.fadd(builder.fadd(lane(0), lane(2)), builder.fadd(lane(1), lane(3)))
+        def codegen(context, builder, signature, args):
+            acc0, acc1, acc2, acc3 = _dot_f16_accumulators(context, builder, signature, args, 4, ahead)
+            s16 = builder.fadd(builder.fadd(acc0, acc2), builder.fadd(acc1, acc3))
+            s4 = _halve(builder, _halve(builder, s16, 8), 4)
+            lane = lambda j: builder.extract_element(s4, ir.Constant(_I32, j))  # noqa: E731
+            return builder.fadd(builder.fadd(lane(0), lane(2)), builder.fadd(lane(1), lane(3)))
 
-    return sig, codegen
+        return sig, codegen
+
+    return dot_f16_64
+
+
+dot_f16_64 = _dot_f16_64(0)
+dot_f16_64_ahead = _dot_f16_64(4096)  # a weight matrix's rows, one after the other (float_matmul)
 
 
 @intrinsic
@@ -590,13 +602,27 @@ _BF16X32 = ir.VectorType(_BFloat(), 32)
 _I16X32 = ir.VectorType(ir.IntType(16), 32)
 
 
-def _dpbf16_lanes(n_w, n_x, n_chain):
+def _hsum16(builder, v):
+    """_mm512_reduce_add_ps of a <16 x float>: halves added (i + i+8), then i + i+4, i + i+2,
+    0 + 1 (attention._reduce16's order), on vectors."""
+    width = LANES
+    while width > 1:
+        width //= 2
+        low = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
+        high = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width))))
+        v = builder.fadd(low, high)
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _dpbf16_lanes(n_w, n_x, n_chain, summed=False, ahead=0):
     """An intrinsic: vdpbf16ps accumulators for n_w weight rows (starting at w_at[i]) by n_x
     activation rows (at x_at[r]), n_chain accumulators each: step i's c-th 32 values (at
     32 * (n_chain * i + c)) go to accumulator c, acc[16 * (n_chain * (n_x * k + r) + c) + j],
-    from zero, in registers. w and x are int16 arrays of bfloat16 bit patterns. Lane j of one
-    vdpbf16ps adds the products of the step's values 2j + 1 and 2j (exact in float32), with
-    ggml's rounding and flushing of subnormals: the instruction llama.cpp's BF16 products take."""
+    from zero, in registers; summed: each accumulator's hsum (_hsum16) instead, at
+    acc[n_chain * (n_x * k + r) + c]. w and x are int16 arrays of bfloat16 bit patterns. Lane j
+    of one vdpbf16ps adds the products of the step's values 2j + 1 and 2j (exact in float32),
+    with ggml's rounding and flushing of subnormals: the instruction llama.cpp's BF16 products
+    take."""
 
     @intrinsic
     def dpbf16_lanes(typingctx, w, w_at, x, x_at, n_steps, acc):
@@ -619,10 +645,15 @@ def _dpbf16_lanes(n_w, n_x, n_chain):
             w_starts = starts(signature.args[1], w_at_a, n_w)
             x_starts = starts(signature.args[3], x_at_a, n_x)
 
+            w_data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=w_a).data
+
             def body(i, carried):
                 out = list(carried)
                 for ch in range(n_chain):
                     at = builder.add(builder.mul(i, c(32 * n_chain)), c(32 * ch))
+                    if ahead:  # the same line `ahead` values further on, into L2 (the next rows' walk)
+                        for o in w_starts:
+                            prefetch_line(builder, builder.gep(w_data, [builder.add(builder.add(o, at), c(ahead))]), 2)
                     wv = [load(signature.args[0], w_a, builder.add(o, at)) for o in w_starts]
                     xv = [load(signature.args[2], x_a, builder.add(o, at)) for o in x_starts]
                     for k in range(n_w):
@@ -632,8 +663,12 @@ def _dpbf16_lanes(n_w, n_x, n_chain):
                 return out
 
             sums = _loop(builder, n, [ir.Constant(_F32X16, 0.0)] * (n_w * n_x * n_chain), body)
+            acc_data = cgutils.create_struct_proxy(signature.args[5])(context, builder, value=acc_a).data
             for k, v in enumerate(sums):
-                builder.store(v, _ptr(context, builder, signature.args[5], acc_a, c(16 * k), _F32X16), align=4)
+                if summed:
+                    builder.store(_hsum16(builder, v), builder.gep(acc_data, [c(k)]))
+                else:
+                    builder.store(v, _ptr(context, builder, signature.args[5], acc_a, c(16 * k), _F32X16), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -643,4 +678,4 @@ def _dpbf16_lanes(n_w, n_x, n_chain):
 
 dpbf16_lanes_2x4 = _dpbf16_lanes(2, 4, 1)
 dpbf16_lanes_4x6 = _dpbf16_lanes(4, 6, 1)
-dpbf16_dot_2 = _dpbf16_lanes(1, 1, 2)  # ggml_vec_dot_bf16: two accumulators over steps of 64
+dpbf16_dot_4x2 = _dpbf16_lanes(4, 1, 2, summed=True, ahead=4096)  # ggml_vec_dot_bf16 of 4 rows: two accumulators each
