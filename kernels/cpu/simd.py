@@ -370,6 +370,12 @@ fma_chain_64 = _fma_chains(1)
 fma_chains_64x2 = _fma_chains(2)
 
 
+def _first_values(context, builder, array_type, array, count):
+    """array[0], ..., array[count - 1] (an int64 array of starts)."""
+    data = cgutils.create_struct_proxy(array_type)(context, builder, value=array).data
+    return [builder.load(builder.gep(data, [ir.Constant(ir.IntType(64), k)])) for k in range(count)]
+
+
 def _fma_lanes(n_w, n_x):
     """An intrinsic: tinyBLAS's accumulators for n_w weight rows (starting at w_at[i]) by n_x
     activation rows (at x_at[r]): acc[16 * (n_x * i + r) + j] = the fma chain over l = 0, 16, ...
@@ -385,12 +391,8 @@ def _fma_lanes(n_w, n_x):
             w_a, w_at_a, x_a, x_at_a, n, acc_a = args
             c = lambda v: ir.Constant(n.type, v)  # noqa: E731
 
-            def starts(array_type, array, count):
-                data = cgutils.create_struct_proxy(array_type)(context, builder, value=array).data
-                return [builder.load(builder.gep(data, [c(k)])) for k in range(count)]
-
-            w_starts = starts(signature.args[1], w_at_a, n_w)
-            x_starts = starts(signature.args[3], x_at_a, n_x)
+            w_starts = _first_values(context, builder, signature.args[1], w_at_a, n_w)
+            x_starts = _first_values(context, builder, signature.args[3], x_at_a, n_x)
 
             def body(i, carried):
                 at = builder.mul(i, c(16))
@@ -634,16 +636,12 @@ def _dpbf16_lanes(n_w, n_x, n_chain, summed=False, ahead=0):
             dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X16, [_F32X16, _BF16X32, _BF16X32]),
                                                 "llvm.x86.avx512bf16.dpbf16ps.512")
 
-            def starts(array_type, array, count):
-                data = cgutils.create_struct_proxy(array_type)(context, builder, value=array).data
-                return [builder.load(builder.gep(data, [c(k)])) for k in range(count)]
-
             def load(array_type, array, at):
                 halves = builder.load(_ptr(context, builder, array_type, array, at, _I16X32), align=2)
                 return builder.bitcast(halves, _BF16X32)
 
-            w_starts = starts(signature.args[1], w_at_a, n_w)
-            x_starts = starts(signature.args[3], x_at_a, n_x)
+            w_starts = _first_values(context, builder, signature.args[1], w_at_a, n_w)
+            x_starts = _first_values(context, builder, signature.args[3], x_at_a, n_x)
 
             w_data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=w_a).data
 
