@@ -11,12 +11,9 @@ from .kernels.cpu.ops import GGML_AVX512
 from .kernels.cpu.unpack import dequantize, superblocks, unpack
 
 _FLOAT_FORMATS = {"F32": layers.FLOAT_F32, "F16": layers.FLOAT_F16, "BF16": layers.FLOAT_BF16}
-# the dtype a float format's weights stay in, as their bit patterns: numpy has no bfloat16, so
-# BF16's are int16 (kernels/cpu/float_matmul._weight tells the two apart by it)
-_FLOAT_BITS = {"F16": np.uint16, "BF16": np.int16}
 _NO_BYTES = np.zeros(0, np.uint8)
 _NO_SCALES = np.zeros((0, 0, mm.R), np.float32)
-_NO_FLOATS = np.zeros((0, 0), np.float32)
+_NO_FLOATS = np.zeros((0, 0), np.uint8)  # no float weights: the float products compile to nothing
 
 
 def row_by_row(packed: tuple) -> tuple:
@@ -33,17 +30,15 @@ class Matrix:
     32-block formats -> lanes tiles: codes at their width and float16 scales (kernels/cpu/lanes.py);
     K-quants -> codes tiled for the integer kernels, with their integer sub-block scales and
     mins as int8, and super-block scales `sb`;
-    F32 -> a float32 (n_rows, n_cols) matrix; F16 -> its float16 bit patterns (uint16); BF16 -> its
-    bfloat16 bit patterns (int16)."""
+    F32, F16, BF16 -> the file's bits as uint16 (n_rows, n_cols or 2 * n_cols for F32)."""
 
     def __init__(self, name: str, fmt: Format, raw: np.ndarray, n_rows: int, n_cols: int, release=None):
         """raw (n_rows, row_bytes) uint8; release(r0, r1), if given, is told when rows r0..r1 of
         raw have been read (the loader drops their mapped pages)."""
         self.name, self.format = name, fmt
         self.n_rows, self.n_cols = n_rows, n_cols
-        if not fmt.quantized:  # F16 and BF16 stay bit patterns, half F32's bytes (widened as the kernels load)
-            weight = np.array(raw).view(_FLOAT_BITS[fmt.name]) if fmt.name in _FLOAT_BITS else np.ascontiguousarray(
-                dequantize(fmt, raw, n_cols))
+        if not fmt.quantized:  # the file's bits, as uint16 for every float format (layers.Weights.fweight)
+            weight = np.ascontiguousarray(raw).view(np.uint16).copy()
             self.packed = layers.Weights(_NO_BYTES, _NO_SCALES, _NO_SCALES, 0, 0, weight, n_rows, 0, -1,
                                          _FLOAT_FORMATS[fmt.name], _NO_SCALES, 0, False)
             return

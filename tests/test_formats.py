@@ -299,4 +299,4 @@ def test_bf16_weights_kept_as_bit_patterns_multiply_as_their_values():
             fm.float_matmul(values, x, fm.FLOAT_BF16, as_values)
             assert np.array_equal(as_bits, as_values), (n_rows, cols, n_tokens)
     raw = bits.view(np.uint8)
-    assert Matrix("w", FORMATS_BY_NAME["BF16"], raw, 4, 72).packed.fweight.dtype == np.int16
+    assert Matrix("w", FORMATS_BY_NAME["BF16"], raw, 4, 72).packed.fweight.dtype == np.uint16  # read as int16

@@ -38,8 +38,8 @@ class Weights(NamedTuple):
     bias: np.ndarray          # (NT, K/G or 0, R) likewise: mins
     offset: int               # code offset (Q4_0: 8; formats with a min: 0)
     bits: int                 # code width in data
-    fweight: np.ndarray       # (N, K) float32 of F32, uint16 float16 bits of F16, int16 bfloat16 bits of BF16,
-                              # else (0, 0) float32
+    fweight: np.ndarray       # uint16: the bits of F16 or BF16 weights (N, K), of F32 ones (N, 2K); else (0, 0) uint8.
+                              # One type for every format: one compiled layer serves them all
     n_rows: int
     group: int                # values a scale covers
     kind: int                 # the activation quantization it pairs with (matmul.KIND_*), -1 for floats
@@ -162,7 +162,7 @@ def _apply(w, x, act):
     T = x.shape[0]
     out = np.empty((T, n_rows), np.float32)
     if kind < 0:
-        float_matmul(fweight, x, float_format, out)
+        _float_product(fweight, x, float_format, out)
         return out
     q, d16, s16, n16, d32, s32, n32, n4 = act
     if product == PRODUCT_LANES or product == PRODUCT_LANES_BLOCKS:
@@ -211,15 +211,61 @@ def _float_token(w1, w2, w3, x):
     return x.shape[0] == 1 and w1[W_KIND] < 0 and _same_input(w1, w2) and _same_input(w1, w3)
 
 
-@nb.njit(**_WRAPPER)
 def _float_token_products(w1, w2, w3, n_mats, x):
     """(x @ W1.T, x @ W2.T, x @ W3.T or an empty array) for one token (see _float_token)."""
-    xr = _float_input(w1, x)
-    fw1, fw2, fw3 = w1[W_FWEIGHT], w2[W_FWEIGHT], w3[W_FWEIGHT]
-    o1, o2 = np.empty((1, fw1.shape[0]), np.float32), np.empty((1, fw2.shape[0]), np.float32)
-    o3 = np.empty((1, fw3.shape[0] if n_mats == 3 else 0), np.float32)
-    float_matvec3(fw1, fw2, fw3, n_mats, xr, w1[W_FLOAT_FORMAT], o1, o2, o3)
-    return o1, o2, o3
+
+
+def _float_product(fweight, x, fmt, out):
+    """out = x @ W.T for float weights held as uint16 (Weights.fweight), read as their format:
+    float32 values, float16 bits (uint16) or bfloat16 bits (int16, float_matmul._weight)."""
+
+
+# A matrix without float weights (fweight the uint8 placeholder) compiles both to nothing: a
+# quantized model's layer carries no float product code, and every float format shares one.
+def _no_floats(fweight_type) -> bool:
+    return fweight_type.dtype == types.uint8
+
+
+@overload(_float_token_products, inline="always")
+def _float_token_products_impl(w1, w2, w3, n_mats, x):
+    if _no_floats(w1.types[W_FWEIGHT]):
+        def none(w1, w2, w3, n_mats, x):
+            empty = np.empty((1, 0), np.float32)
+            return empty, empty, empty
+
+        return none
+
+    def impl(w1, w2, w3, n_mats, x):
+        xr = _float_input(w1, x)
+        fw1, fw2, fw3, fmt = w1[W_FWEIGHT], w2[W_FWEIGHT], w3[W_FWEIGHT], w1[W_FLOAT_FORMAT]
+        o1, o2 = np.empty((1, fw1.shape[0]), np.float32), np.empty((1, fw2.shape[0]), np.float32)
+        o3 = np.empty((1, fw3.shape[0] if n_mats == 3 else 0), np.float32)
+        if fmt == FLOAT_F32:
+            float_matvec3(fw1.view(np.float32), fw2.view(np.float32), fw3.view(np.float32), n_mats, xr, fmt,
+                          o1, o2, o3)
+        elif fmt == FLOAT_BF16:
+            float_matvec3(fw1.view(np.int16), fw2.view(np.int16), fw3.view(np.int16), n_mats, xr, fmt, o1, o2, o3)
+        else:
+            float_matvec3(fw1, fw2, fw3, n_mats, xr, fmt, o1, o2, o3)
+        return o1, o2, o3
+
+    return impl
+
+
+@overload(_float_product, inline="always")
+def _float_product_impl(fweight, x, fmt, out):
+    if _no_floats(fweight):
+        return lambda fweight, x, fmt, out: None
+
+    def impl(fweight, x, fmt, out):
+        if fmt == FLOAT_F32:
+            float_matmul(fweight.view(np.float32), x, fmt, out)
+        elif fmt == FLOAT_BF16:
+            float_matmul(fweight.view(np.int16), x, fmt, out)
+        else:
+            float_matmul(fweight, x, fmt, out)
+
+    return impl
 
 
 @nb.njit(**_WRAPPER)
