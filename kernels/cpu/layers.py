@@ -226,7 +226,7 @@ def _no_floats(fweight_type) -> bool:
     return fweight_type.dtype == types.uint8
 
 
-@overload(_float_token_products, inline="always")
+@overload(_float_token_products)
 def _float_token_products_impl(w1, w2, w3, n_mats, x):
     if _no_floats(w1.types[W_FWEIGHT]):
         def none(w1, w2, w3, n_mats, x):
@@ -252,7 +252,7 @@ def _float_token_products_impl(w1, w2, w3, n_mats, x):
     return impl
 
 
-@overload(_float_product, inline="always")
+@overload(_float_product)
 def _float_product_impl(fweight, x, fmt, out):
     if _no_floats(fweight):
         return lambda fweight, x, fmt, out: None
