@@ -27,7 +27,7 @@ from .f16 import f16_value, float32_from_bits
 from .fma import fma
 from .ops import GGML_AVX512, GGML_AVX512_BF16
 from .simd import (dot_f16_32, dot_f16_64_ahead, dpbf16_dot_4x2, dpbf16_lanes_2x4, dpbf16_lanes_4x6, fma_lanes_2x4,
-                   fma_lanes_2x8, fma_lanes_4x6)
+                   fma_lanes_4x6)
 
 LANES = 16 if GGML_AVX512 else 8
 _FLT_MIN = np.float32(1.1754944e-38)  # the smallest normal float32
@@ -119,9 +119,9 @@ def _four_rows(w, N, K, quad, xf, xb, fmt, out):
 @nb.njit(inline="always", cache=True, nogil=True)
 def _tiny_blas_tiles(w, x, N, K, T, out):
     """tinyBLAS with AVX-512 (K a multiple of 16): each output's 16-lane accumulator exactly as
-    _tiny_blas_dot's, computed for tiles of 2 weight rows by 8 activation rows (4 under 8 rows)
-    in registers, so that a weight vector loads once for the tile's rows and an activation
-    vector once for its two weight rows; a partial tile repeats its last rows, unused."""
+    _tiny_blas_dot's, computed in register tiles of 4 weight rows by 6 activation rows (2 by 4
+    under 8 rows) so that a weight vector loads once for the tile's activation rows and an
+    activation vector once for its weight rows (_tiles)."""
     if T >= 8:
         _tiles(w, x, N, K, T, out, fma_lanes_4x6, 4, 6, 16)
     else:

@@ -376,43 +376,6 @@ def _first_values(context, builder, array_type, array, count):
     return [builder.load(builder.gep(data, [ir.Constant(ir.IntType(64), k)])) for k in range(count)]
 
 
-def _fma_lanes(n_w, n_x):
-    """An intrinsic: tinyBLAS's accumulators for n_w weight rows (starting at w_at[i]) by n_x
-    activation rows (at x_at[r]): acc[16 * (n_x * i + r) + j] = the fma chain over l = 0, 16, ...
-    (n16 steps) of fma(w[w_at[i] + l + j], x[x_at[r] + l + j], .), from zero, in registers; each
-    step loads a weight vector once for the n_x rows and an activation vector once for the n_w.
-    float32 arrays, or float16 bit patterns (widened as they load)."""
-
-    @intrinsic
-    def fma_lanes(typingctx, w, w_at, x, x_at, n16, acc):
-        sig = types.void(w, w_at, x, x_at, types.intp, acc)
-
-        def codegen(context, builder, signature, args):
-            w_a, w_at_a, x_a, x_at_a, n, acc_a = args
-            c = lambda v: ir.Constant(n.type, v)  # noqa: E731
-
-            w_starts = _first_values(context, builder, signature.args[1], w_at_a, n_w)
-            x_starts = _first_values(context, builder, signature.args[3], x_at_a, n_x)
-
-            def body(i, carried):
-                at = builder.mul(i, c(16))
-                wv = [_load_f32x16(context, builder, signature.args[0], w_a, builder.add(o, at)) for o in w_starts]
-                xv = [_load_f32x16(context, builder, signature.args[2], x_a, builder.add(o, at)) for o in x_starts]
-                return [_fma(builder, wv[k], xv[r], carried[n_x * k + r]) for k in range(n_w) for r in range(n_x)]
-
-            sums = _loop(builder, n, [ir.Constant(_F32X16, 0.0)] * (n_w * n_x), body)
-            for k, v in enumerate(sums):
-                builder.store(v, _ptr(context, builder, signature.args[5], acc_a, c(16 * k), _F32X16), align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return fma_lanes
-
-
-fma_lanes_2x4 = _fma_lanes(2, 4)
-fma_lanes_2x8 = _fma_lanes(2, 8)
-fma_lanes_4x6 = _fma_lanes(4, 6)
 
 
 @intrinsic
@@ -616,40 +579,51 @@ def _hsum16(builder, v):
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
-def _dpbf16_lanes(n_w, n_x, n_chain, summed=False, ahead=0):
-    """An intrinsic: vdpbf16ps accumulators for n_w weight rows (starting at w_at[i]) by n_x
-    activation rows (at x_at[r]), n_chain accumulators each: step i's c-th 32 values (at
-    32 * (n_chain * i + c)) go to accumulator c, acc[16 * (n_chain * (n_x * k + r) + c) + j],
-    from zero, in registers; summed: each accumulator's hsum (_hsum16) instead, at
-    acc[n_chain * (n_x * k + r) + c]. w and x are int16 arrays of bfloat16 bit patterns. Lane j
-    of one vdpbf16ps adds the products of the step's values 2j + 1 and 2j (exact in float32),
-    with ggml's rounding and flushing of subnormals: the instruction llama.cpp's BF16 products
-    take."""
+def _lane_tiles(n_w, n_x, product, n_chain=1, summed=False, ahead=0):
+    """An intrinsic: 16-lane accumulators for n_w weight rows (starting at w_at[k]) by n_x
+    activation rows (at x_at[r]), n_chain each, from zero, in registers: step i's c-th vector of
+    values (at width * (n_chain * i + c)) goes to accumulator c, stored at
+    acc[16 * (n_chain * (n_x * k + r) + c) + j]; summed: each accumulator's hsum (_hsum16)
+    instead, at acc[n_chain * (n_x * k + r) + c]. Each step loads a weight vector once for the
+    n_x rows and an activation vector once for the n_w; ahead: it also asks for the weight lines
+    `ahead` values further on, into L2 (a matrix's next rows).
+    product "fma": tinyBLAS's lanes, 16 values a vector, acc = fma(w, x, acc); float32 arrays, or
+    float16 (uint16) / bfloat16 (int16) bit patterns widened as they load.
+    product "dpbf16": 32 values a vector of int16 arrays of bfloat16 bit patterns, one vdpbf16ps:
+    lane j adds the products of the vector's values 2j + 1 and 2j (exact in float32), with
+    ggml's rounding and flushing of subnormals: the instruction llama.cpp's BF16 products take."""
+    width = 16 if product == "fma" else 32
 
     @intrinsic
-    def dpbf16_lanes(typingctx, w, w_at, x, x_at, n_steps, acc):
+    def lane_tiles(typingctx, w, w_at, x, x_at, n_steps, acc):
         sig = types.void(w, w_at, x, x_at, types.intp, acc)
 
         def codegen(context, builder, signature, args):
             w_a, w_at_a, x_a, x_at_a, n, acc_a = args
             c = lambda v: ir.Constant(n.type, v)  # noqa: E731
-            dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X16, [_F32X16, _BF16X32, _BF16X32]),
-                                                "llvm.x86.avx512bf16.dpbf16ps.512")
+            if product == "fma":
+                load = lambda array_type, array, at: _load_f32x16(context, builder, array_type, array, at)  # noqa: E731
+                step = lambda acc, wv, xv: _fma(builder, wv, xv, acc)  # noqa: E731
+            else:
+                dp = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(_F32X16, [_F32X16, _BF16X32, _BF16X32]),
+                    "llvm.x86.avx512bf16.dpbf16ps.512")
 
-            def load(array_type, array, at):
-                halves = builder.load(_ptr(context, builder, array_type, array, at, _I16X32), align=2)
-                return builder.bitcast(halves, _BF16X32)
+                def load(array_type, array, at):
+                    halves = builder.load(_ptr(context, builder, array_type, array, at, _I16X32), align=2)
+                    return builder.bitcast(halves, _BF16X32)
+
+                step = lambda acc, wv, xv: builder.call(dp, [acc, wv, xv])  # noqa: E731
 
             w_starts = _first_values(context, builder, signature.args[1], w_at_a, n_w)
             x_starts = _first_values(context, builder, signature.args[3], x_at_a, n_x)
-
             w_data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=w_a).data
 
             def body(i, carried):
                 out = list(carried)
                 for ch in range(n_chain):
-                    at = builder.add(builder.mul(i, c(32 * n_chain)), c(32 * ch))
-                    if ahead:  # the same line `ahead` values further on, into L2 (the next rows' walk)
+                    at = builder.add(builder.mul(i, c(width * n_chain)), c(width * ch))
+                    if ahead:
                         for o in w_starts:
                             prefetch_line(builder, builder.gep(w_data, [builder.add(builder.add(o, at), c(ahead))]), 2)
                     wv = [load(signature.args[0], w_a, builder.add(o, at)) for o in w_starts]
@@ -657,7 +631,7 @@ def _dpbf16_lanes(n_w, n_x, n_chain, summed=False, ahead=0):
                     for k in range(n_w):
                         for r in range(n_x):
                             slot = n_chain * (n_x * k + r) + ch
-                            out[slot] = builder.call(dp, [out[slot], wv[k], xv[r]])
+                            out[slot] = step(out[slot], wv[k], xv[r])
                 return out
 
             sums = _loop(builder, n, [ir.Constant(_F32X16, 0.0)] * (n_w * n_x * n_chain), body)
@@ -671,9 +645,12 @@ def _dpbf16_lanes(n_w, n_x, n_chain, summed=False, ahead=0):
 
         return sig, codegen
 
-    return dpbf16_lanes
+    return lane_tiles
 
 
-dpbf16_lanes_2x4 = _dpbf16_lanes(2, 4, 1)
-dpbf16_lanes_4x6 = _dpbf16_lanes(4, 6, 1)
-dpbf16_dot_4x2 = _dpbf16_lanes(4, 1, 2, summed=True, ahead=4096)  # ggml_vec_dot_bf16 of 4 rows: two accumulators each
+fma_lanes_2x4 = _lane_tiles(2, 4, "fma")
+fma_lanes_4x6 = _lane_tiles(4, 6, "fma")
+dpbf16_lanes_2x4 = _lane_tiles(2, 4, "dpbf16")
+dpbf16_lanes_4x6 = _lane_tiles(4, 6, "dpbf16")
+# ggml_vec_dot_bf16 of 4 rows: two accumulators each over steps of 64, rows asked for 8 KiB ahead
+dpbf16_dot_4x2 = _lane_tiles(4, 1, "dpbf16", n_chain=2, summed=True, ahead=4096)
