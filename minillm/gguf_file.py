@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import struct
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,7 @@ class TensorInfo:
     ggml_type: int
     offset: int             # absolute offset of the data in the file
     n_bytes: int
+    part: int = 0           # the split file that holds it (0: the first, or the only file)
 
     @property
     def format(self):
@@ -169,30 +172,72 @@ class _Cursor:
             raise GGUFError(f"{what}: string is not valid UTF-8") from None
 
 
+SPLIT_NAME = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")  # llama.cpp's split files: NAME-00001-of-00003.gguf
+
+
+def split_paths(first: Path, count: int) -> list[Path]:
+    """The files of a model split in `count` parts, from the path of the first."""
+    m = SPLIT_NAME.match(first.name)
+    if m is None or int(m.group(2)) != 1 or int(m.group(3)) != count:
+        raise GGUFError(f"{first}: the first of {count} split files, but not named "
+                        f"NAME-00001-of-{count:05d}.gguf, so its other parts cannot be found")
+    return [first.with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
 class GGUFFile:
-    """A parsed, validated GGUF file. Tensor data stays in the memory map.
+    """A parsed, validated GGUF file. Tensor data stays in the memory map. A model split over
+    several files (split.count > 1, as llama.cpp's gguf-split writes) opens from its first file
+    and reads as one: metadata from the first, tensors from all.
 
     Attributes:
-        path, version, file_size
+        path, version, file_size (all parts together)
         metadata: dict key -> value (str, int, float, bool, list of str, or numpy array)
         metadata_types: dict key -> value type (and element type for arrays)
         tensors: dict name -> TensorInfo, in file order
-        data_offset: absolute offset of the tensor data section
+        data_offset: absolute offset of the tensor data section (of the first file)
+        parts: the open files, [self] when the model is one file
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, split_no: int | None = None):
         self.path = Path(path)
         self._file = None
         self._mmap = None
+        self.parts = [self]
         self._open()
         try:
             self._parse()
+            if split_no is None:
+                self._open_splits()
         except GGUFError:
             self.close()
             raise
         except (struct.error, OverflowError, ValueError, MemoryError) as exc:
             self.close()
             raise GGUFError(f"{self.path}: malformed GGUF file ({exc})") from None
+
+    def _open_splits(self) -> None:
+        """The other parts of a split model, checked as llama.cpp checks them: each names its
+        index, no tensor twice, and split.tensors.count tensors in all."""
+        count = self.metadata.get("split.count", 0)
+        if not isinstance(count, int) or count <= 1:
+            return
+        if self.metadata.get("split.no", 0) != 0:
+            raise GGUFError(f"{self.path}: part {self.metadata.get('split.no') + 1} of a split model: "
+                            f"load the model from its first part (…-00001-of-{count:05d}.gguf)")
+        for index, part_path in enumerate(split_paths(self.path, count)[1:], start=1):
+            part = GGUFFile(part_path, split_no=index)
+            self.parts.append(part)
+            if part.metadata.get("split.no") != index:
+                raise GGUFError(f"{part_path}: split.no is {part.metadata.get('split.no')!r}, expected {index}")
+            for name, info in part.tensors.items():
+                if name in self.tensors:
+                    raise GGUFError(f"{part_path}: tensor '{name}' is also in an earlier part")
+                self.tensors[name] = dataclasses.replace(info, part=index)
+        expected = self.metadata.get("split.tensors.count")
+        if expected != len(self.tensors):
+            raise GGUFError(f"{self.path}: split.tensors.count is {expected!r}, the {count} parts hold "
+                            f"{len(self.tensors)} tensors")
+        self.file_size = sum(part.file_size for part in self.parts)
 
     # -- opening -----------------------------------------------------------------
     def _open(self) -> None:
@@ -218,21 +263,26 @@ class GGUFFile:
         """Drop the mapped pages of a tensor (rows [r0, r1) of it, or all), or of the whole file,
         from memory; they are read back from the file if touched again. Called as weights are
         repacked, so that they are not held twice."""
-        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
         if name is None:
-            self._mmap.madvise(mmap.MADV_DONTNEED)
+            for part in self.parts:
+                if part._mmap is not None and hasattr(mmap, "MADV_DONTNEED"):
+                    part._mmap.madvise(mmap.MADV_DONTNEED)
             return
         t = self.tensors[name]
+        part = self.parts[t.part]
+        if part._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
         begin, end = t.offset, t.offset + t.n_bytes
         if rows is not None:
             row_bytes = t.shape[0] // t.format.block_size * t.format.type_size
             begin, end = t.offset + rows[0] * row_bytes, min(end, t.offset + rows[1] * row_bytes)
         start = begin // mmap.PAGESIZE * mmap.PAGESIZE
         if end > start:
-            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+            part._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
+        for part in self.parts[1:]:
+            part.close()
         self.buffer = None
         if self._file is not None:
             self._file.close()
@@ -386,7 +436,7 @@ class GGUFFile:
         """The tensor's bytes as a read-only uint8 view of the map, shape (rows, row_bytes)."""
         t = self.tensors[name]
         row_bytes = t.shape[0] // t.format.block_size * t.format.type_size
-        view = self.buffer[t.offset:t.offset + t.n_bytes]
+        view = self.parts[t.part].buffer[t.offset:t.offset + t.n_bytes]
         return view.reshape(-1, row_bytes)
 
     def read_rows(self, name: str, rows) -> np.ndarray:
@@ -396,7 +446,7 @@ class GGUFFile:
         t = self.tensors[name]
         row_bytes = t.shape[0] // t.format.block_size * t.format.type_size
         out = np.empty((len(rows), row_bytes), np.uint8)
-        fd = self._file.fileno()
+        fd = self.parts[t.part]._file.fileno()
         for i, row in enumerate(rows):
             if os.preadv(fd, [out[i]], t.offset + int(row) * row_bytes) != row_bytes:
                 raise GGUFError(f"{self.path}: short read in tensor '{name}'")
@@ -413,3 +463,50 @@ class GGUFFile:
 
 def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
+
+
+def peek_metadata(path: str | os.PathLike, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The scalar or string values of `keys` in a GGUF file's metadata, read from the start of the
+    file and stopping once all are found: no tensor map, no vocabulary decoded (for listings
+    of many files). Keys that are missing, or arrays, are left out; a malformed file gives {}."""
+    found: dict[str, Any] = {}
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            cur = _Cursor(buf, len(buf))
+            if bytes(buf[:4]) != GGUF_MAGIC:
+                return found
+            cur.pos = 4
+            cur.u32("version")
+            cur.u64("tensor count")
+            for _ in range(cur.u64("metadata count")):
+                key = cur.string("metadata key")
+                vtype = cur.u32("type")
+                if key in keys and vtype in _SCALAR_FORMATS:
+                    found[key] = cur.unpack(_SCALAR_FORMATS[vtype], key)
+                elif key in keys and vtype == STRING:
+                    found[key] = cur.string(key)
+                else:
+                    _skip_value(cur, vtype)
+                if len(found) == len(keys):
+                    break
+    except (OSError, ValueError, GGUFError, struct.error):
+        pass
+    return found
+
+
+def _skip_value(cur: _Cursor, vtype: int) -> None:
+    if vtype in _SCALAR_FORMATS:
+        cur.pos += struct.calcsize(_SCALAR_FORMATS[vtype])
+    elif vtype == STRING:
+        length = cur.u64("string length")
+        cur.pos += length
+    elif vtype == ARRAY:
+        etype, count = cur.u32("element type"), cur.u64("array length")
+        if etype in _SCALAR_FORMATS:
+            cur.pos += count * struct.calcsize(_SCALAR_FORMATS[etype])
+        else:
+            for _ in range(count):
+                _skip_value(cur, etype)
+    else:
+        raise GGUFError(f"unknown value type {vtype}")
+    cur.need(0, "value")

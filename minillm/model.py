@@ -12,6 +12,7 @@ from .arch import get_architecture
 from .backends import load_backend, resolve_device
 from .errors import MinillmError
 from .gguf_file import GGUFFile
+from .hub import resolve_model
 from .kv_cache import F16_CACHE, KVCache, check_cache_types
 from .memory import release_compiler_pages
 from .sequence import Result
@@ -28,10 +29,10 @@ class Model:
                  cache_types: tuple[str, str] = F16_CACHE):
         t0 = time.perf_counter()
         release_compiler_pages()  # the compiler is initialized (by the imports): drop it before the weights
-        self.path = Path(path)
+        self.path = resolve_model(path)  # a file, or REPO[:QUANT] fetched from the hub
         self.threads = threads or default_threads()
         self.use_threads()
-        self.gguf = GGUFFile(path)
+        self.gguf = GGUFFile(self.path)
         self.arch = get_architecture(self.gguf.architecture)(self.gguf)
         self.hp = self.arch.hp
         self.device, self.device_notice = resolve_device(device)  # a notice when a GPU went unused
@@ -175,5 +176,6 @@ class Model:
 
 
 def load(path: str | os.PathLike, threads: int | None = None, progress=None, device: str = "cpu") -> Model:
-    """Load a GGUF model; device "cpu", "cuda" or "auto" (CUDA when a GPU is usable)."""
+    """Load a GGUF model: a file, or REPO[:QUANT] on the Hugging Face Hub (downloaded once into its
+    cache); device "cpu", "cuda" or "auto" (CUDA when a GPU is usable)."""
     return Model(path, threads=threads, progress=progress, device=device)

@@ -156,3 +156,43 @@ def test_metadata_that_lies(tmp_path, key, value, words):
         describe(path)
     for w in words:
         assert w in str(exc.value)
+
+
+# -- models split over several files (llama.cpp's gguf-split) ----------------------------------
+def test_split_model_reads_as_one(tiny_llama, tmp_path):
+    from split_gguf import split_gguf
+
+    import minillm
+
+    paths = split_gguf(tiny_llama, tmp_path / "split", 3, stem="tiny")
+    assert [p.name for p in paths] == [f"tiny-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    with GGUFFile(tiny_llama) as whole, GGUFFile(paths[0]) as split:
+        assert len(split.parts) == 3 and list(split.tensors) == list(whole.tensors)
+        assert {t.part for t in split.tensors.values()} == {0, 1, 2}
+        assert split.file_size == sum(p.stat().st_size for p in paths)
+        for name in whole.tensors:
+            assert np.array_equal(split.raw(name), whole.raw(name)), name
+            assert np.array_equal(split.read_rows(name, [0]), whole.read_rows(name, [0])), name
+        assert {k: v for k, v in split.metadata.items() if not k.startswith("split.")}.keys() == whole.metadata.keys()
+    ids = [1, 5, 9, 3]
+    assert np.array_equal(minillm.load(paths[0]).logits(ids), minillm.load(tiny_llama).logits(ids))
+
+
+def test_split_model_errors(tiny_llama, tmp_path):
+    from split_gguf import split_gguf
+
+    paths = split_gguf(tiny_llama, tmp_path / "split", 3, stem="tiny")
+    with pytest.raises(GGUFError, match="load the model from its first part"):
+        GGUFFile(paths[1])
+    renamed = paths[0].with_name("tiny.gguf")
+    paths[0].rename(renamed)
+    with pytest.raises(GGUFError, match="not named NAME-00001-of-00003.gguf"):
+        GGUFFile(renamed)
+    renamed.rename(paths[0])
+    paths[2].unlink()
+    with pytest.raises(GGUFError, match="tiny-00003-of-00003.gguf: no such file"):
+        GGUFFile(paths[0])
+    paths[1].rename(paths[2])  # part 2 in part 3's place: its split.no says 1
+    split_gguf(tiny_llama, tmp_path / "again", 3, stem="tiny")[1].rename(paths[1])
+    with pytest.raises(GGUFError, match="split.no is 1, expected 2"):
+        GGUFFile(paths[0])

@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from .common import err, print_error
+from .models import takes_model
 from .generate import CACHE_TYPE_K, CACHE_TYPE_V
 from ..errors import MinillmError
 
@@ -22,7 +23,7 @@ app = typer.Typer(
     help="Run quantized GGUF language models locally.",
 )
 
-ModelArg = typer.Argument(..., help="Path to a .gguf model file.", show_default=False)
+ModelArg = typer.Argument(None, help="A .gguf model file, or REPO[:QUANT] on the Hugging Face Hub.", show_default=False)
 
 
 def compile_notice():
@@ -54,7 +55,8 @@ def load_model(path: Path, threads: Optional[int], device: str, cache_types: Opt
 
 
 @app.command()
-def info(model: Path = ModelArg, as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")):
+@takes_model()
+def info(model: Optional[Path] = ModelArg, as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")):
     """Describe a model file: architecture, sizes, quant types, tokenizer."""
     from .inspect import describe
 
@@ -78,8 +80,9 @@ def info(model: Path = ModelArg, as_json: bool = typer.Option(False, "--json", h
 
 
 @app.command()
+@takes_model()
 def bench(
-    model: Path = ModelArg,
+    model: Optional[Path] = ModelArg,
     n_prompt: Optional[int] = typer.Option(None, "-p", "--n-prompt", min=0, max=1 << 16,
                                            help="Prompt tokens (prefill) [default: 512; 128 with --parallel]."),
     n_gen: int = typer.Option(128, "-n", "--n-gen", min=0, max=1 << 16, help="Tokens to decode."),
@@ -171,11 +174,12 @@ def _register_commands() -> None:
     from . import chat as cli_chat
     from . import generate as cli_generate
     from . import imatrix as cli_imatrix
+    from . import models as cli_models
     from . import quantize as cli_quantize
     from . import serve as cli_serve
     from . import tokenize as cli_tokenize
 
-    for module in (cli_generate, cli_chat, cli_serve, cli_quantize, cli_imatrix, cli_tokenize):
+    for module in (cli_generate, cli_chat, cli_serve, cli_quantize, cli_imatrix, cli_tokenize, cli_models):
         module.register(app)
 
 
@@ -217,8 +221,9 @@ def _run_app() -> int:
 
 
 @app.command()
+@takes_model()
 def perplexity(
-    model: Path = ModelArg,
+    model: Optional[Path] = ModelArg,
     file: Optional[Path] = typer.Option(None, "-f", "--file", help="Text file to score.", show_default=False),
     n_ctx: int = typer.Option(512, "-c", "--ctx", min=16, max=1 << 16, help="Tokens per chunk."),
     chunks: Optional[int] = typer.Option(None, "--chunks", min=1, help="Score only the first N chunks."),

@@ -12,11 +12,13 @@ from .generate import (
     FREQUENCY_PENALTY, LOOKUP, LOOKUP_NGRAM, MIN_P, MODEL_OR_SERVER, PRESENCE_PENALTY, REPEAT_LAST_N, REPEAT_PENALTY,
     SEED, SERVER, SYSTEM, TEMP, THREADS, TOP_K, TOP_P, Guessing, need_model, sampling_params,
 )
+from .models import takes_model
 from ..params import SpeculationParams
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
+    @takes_model(required=False)
     def chat(
         model: Optional[Path] = MODEL_OR_SERVER,
         n_predict: int = typer.Option(512, "-n", "--n-predict", min=1, max=1 << 24, help="Tokens per reply at most."),

@@ -12,14 +12,16 @@ from typing import List, Optional
 import typer
 
 from .common import err
+from .models import takes_model
 from ..params import SamplingParams, SpeculationParams
 
 
 SAMPLING, SPECULATION = SamplingParams(), SpeculationParams()  # the defaults the options show
 
 # options shared by `generate` and `chat` (typer Option objects can serve several commands)
-MODEL = typer.Argument(..., help="Path to a .gguf model file.", show_default=False)
-MODEL_OR_SERVER = typer.Argument(None, help="Path to a .gguf model file (none with --server).", show_default=False)
+MODEL = typer.Argument(None, help="A .gguf model file, or REPO[:QUANT] on the Hugging Face Hub.", show_default=False)
+MODEL_OR_SERVER = typer.Argument(None, help="A .gguf model file, or REPO[:QUANT] on the Hugging Face Hub (none "
+                                 "with --server).", show_default=False)
 SERVER = typer.Option(None, "--server", help="URL of a running `minillm serve`: generate there, loading no model.")
 API_KEY = typer.Option(None, "--api-key", envvar="MINILLM_API_KEY", help="With --server: its API key.")
 TEMP = typer.Option(SAMPLING.temperature, "--temp", min=0.0, max=100.0, help="Temperature; 0 is greedy.")
@@ -252,6 +254,7 @@ def _print_json(model, ids: list[int], chunks, seed: int, speculating: bool):
 
 def register(app: typer.Typer) -> None:
     @app.command()
+    @takes_model(required=False)
     def generate(
         model: Optional[Path] = MODEL_OR_SERVER,
         prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),

@@ -23,6 +23,7 @@ import typer
 from typer.core import TyperCommand
 
 from .common import print_error
+from .models import takes_model
 from ..errors import MinillmError
 
 try:                                # typer 0.2x carries its own copy of click
@@ -44,7 +45,7 @@ class _OneLineErrors(TyperCommand):
 
 
 def register(app: typer.Typer) -> None:
-    app.command("imatrix", cls=_OneLineErrors)(imatrix_command)
+    app.command("imatrix", cls=_OneLineErrors)(takes_model(required=False)(imatrix_command))
 
 
 class OutputFormat(str, Enum):
@@ -85,7 +86,7 @@ def copy_path(out: Path, n_chunk: int) -> Path:
 
 
 def imatrix_command(
-    model: Optional[Path] = typer.Argument(None, help="Path to a .gguf model file (needed with -f).",
+    model: Optional[Path] = typer.Argument(None, help="A .gguf model file, or REPO[:QUANT] on the Hugging Face Hub (needed with -f).",
                                            show_default=False),
     file: Optional[str] = typer.Option(None, "-f", "--file", show_default=False,
                                        help="Calibration text (its path, as typed, is recorded). Without it, "

@@ -19,6 +19,7 @@ from typing import List, Optional
 import typer
 
 from .common import err, print_error
+from .models import takes_model
 from ..errors import MinillmError
 from ..quantize.ftypes import TENSOR_TYPES, parse_file_type, type_help
 
@@ -27,12 +28,15 @@ def register(app: typer.Typer) -> None:
     """Add the `quantize` command to `app`."""
     epilog = ("TYPE is one of (id, name, bits per weight of its main tensor type, llama.cpp's note):"
               "\n\n" + "\n\n".join(type_help().splitlines()))
-    app.command("quantize", epilog=epilog)(quantize_command)
+    app.command("quantize", epilog=epilog)(takes_model("in_path", shifts=("out_path", "type_name"))(quantize_command))
 
 
 def _default_out(in_path: Path, type_name: str) -> Path:
     """llama-quantize's name when OUT is left out: ggml-model-TYPE.gguf beside IN."""
-    return in_path.parent / f"ggml-model-{parse_file_type(type_name).name}.gguf"
+    from ..hub import in_cache
+
+    folder = Path.cwd() if in_cache(in_path) else in_path.parent  # never inside the hub's cache
+    return folder / f"ggml-model-{parse_file_type(type_name).name}.gguf"
 
 
 def parse_layer_list(text: Optional[str]) -> list[int]:
@@ -53,9 +57,10 @@ def _raise_interrupt(signum, frame):
 
 
 def quantize_command(
-    in_path: Path = typer.Argument(..., metavar="IN", help="Input .gguf model (F32, F16, BF16 or quantized).",
+    in_path: Optional[Path] = typer.Argument(None, metavar="IN", help="Input .gguf model (F32, F16, BF16 or "
+                                             "quantized), or REPO[:QUANT] on the Hugging Face Hub.",
                                    show_default=False),
-    out_path: str = typer.Argument(..., metavar="OUT", help="Output .gguf file (may be left out: "
+    out_path: Optional[str] = typer.Argument(None, metavar="OUT", help="Output .gguf file (may be left out: "
                                    "then ggml-model-TYPE.gguf beside IN).", show_default=False),
     type_name: Optional[str] = typer.Argument(None, metavar="TYPE", show_default=False,
                                               help="Quantization type: a name or id from the list below."),
@@ -111,6 +116,8 @@ def quantize_command(
     if imatrix is not None:
         options["imatrix"] = imatrix
     try:
+        if out_path is None:
+            raise typer.BadParameter("missing TYPE: minillm quantize IN [OUT] TYPE")
         if type_name is None:                       # IN TYPE: llama-quantize's short form
             type_name, out_path = out_path, None
         jobs = _jobs(in_path, out_path, type_name, eval_text, dry_run)

@@ -13,6 +13,7 @@ import typer
 from .common import err
 from .generate import CACHE_TYPE_K, CACHE_TYPE_V, CTX, DRAFT, DRAFT_MAX, DRAFT_MIN, DRAFT_P_MIN, MODEL, THREADS
 from ..errors import MinillmError
+from .models import takes_model
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -31,8 +32,9 @@ def listen(host: str, port: int) -> socket.socket:
 
 def register(app: typer.Typer) -> None:
     @app.command()
+    @takes_model()
     def serve(
-        model: Path = MODEL,
+        model: Optional[Path] = MODEL,
         host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
         port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port (0: any free one, printed)."),
         parallel: int = typer.Option(4, "--parallel", min=1, max=256, help="Sequences decoded at once."),

@@ -14,16 +14,18 @@ from typing import Optional
 import typer
 
 from .common import print_error
+from .models import takes_model
 from ..errors import MinillmError
 
 
 def register(app: typer.Typer) -> None:
     """Add the `tokenize` command to `app`."""
-    app.command("tokenize")(tokenize_command)
+    app.command("tokenize")(takes_model()(tokenize_command))
 
 
 def tokenize_command(
-    model: Path = typer.Argument(..., help="Path to a .gguf model file.", show_default=False),
+    model: Optional[Path] = typer.Argument(None, help="A .gguf model file, or REPO[:QUANT] on the Hugging Face "
+                                           "Hub.", show_default=False),
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt",
                                          help="Text to tokenize (default: read stdin)."),
     ids_only: bool = typer.Option(False, "--ids", help="Print only a JSON list of token ids."),
