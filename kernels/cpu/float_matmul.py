@@ -25,9 +25,9 @@ from numba.extending import overload
 from .attention import F16_DOT_STEP, _reduce8, _reduce16
 from .f16 import f16_value, float32_from_bits
 from .fma import fma
-from .ops import GGML_AVX512, GGML_AVX512_BF16
+from .ops import GGML_AVX512, GGML_AVX512_BF16, THREADS
 from .simd import (dot_f16_32, dot_f16_64_ahead, dpbf16_dot_4x2, dpbf16_lanes_2x4, dpbf16_lanes_4x6, fma_lanes_2x4,
-                   fma_lanes_4x6)
+                   fma_lanes_4x6, widen_f32)
 
 LANES = 16 if GGML_AVX512 else 8
 _FLT_MIN = np.float32(1.1754944e-38)  # the smallest normal float32
@@ -133,25 +133,65 @@ def _tiles(w, x, N, K, T, out, lanes, n_w, n_x, step):
     """Tiles of n_w weight rows by n_x activation rows: lanes(...) leaves each output's 16-lane
     accumulator over K // step steps, then its hsum. The activations are taken a block of rows
     at a time, as many as fit X_BLOCK_BYTES, and every tile of weight rows walks the block: each
-    pass over the weights then reads activations from L2, not from memory. A partial tile
-    repeats its last rows, unused."""
+    pass over the weights then reads activations from L2, not from memory. Each thread takes a
+    run of tiles; 16-bit weights are widened to float32 once per tile and block (_tile_rows), not
+    once per activation rows. A partial tile repeats its last rows, unused."""
     block = max(n_x, X_BLOCK_BYTES // (K * x.itemsize) // n_x * n_x)
+    n_tiles = (N + n_w - 1) // n_w
+    n_runs = min(n_tiles, THREADS)
     for b0 in range(0, T, block):
         b1 = min(T, b0 + block)
-        for tile in nb.prange((N + n_w - 1) // n_w):
-            acc = np.empty(n_w * n_x * 16, np.float32)  # (n_w, n_x, 16): each output's lanes
+        for run in nb.prange(n_runs):
+            acc = np.empty(n_w * n_x, np.float32)       # (n_w, n_x): each output's lanes, summed
             w_at = np.empty(n_w, np.int64)              # where each weight row starts
             x_at = np.empty(n_x, np.int64)              # where each activation row starts
-            n0, n_rows = n_w * tile, min(n_w, N - n_w * tile)
-            for k in range(n_w):
-                w_at[k] = min(n0 + k, N - 1) * K
-            for t0 in range(b0, b1, n_x):
-                for r in range(n_x):
-                    x_at[r] = min(t0 + r, T - 1) * K
-                lanes(w, w_at, x, x_at, K // step, acc)
-                for k in range(n_rows):
-                    for r in range(min(n_x, b1 - t0)):
-                        out[t0 + r, n0 + k] = _reduce16(acc, 16 * (n_x * k + r))
+            wide = _wide_rows(w, x, n_w * K)            # (n_w * K,) the tile's rows widened, if they are
+            wide_at = np.arange(n_w) * K
+            for tile in range(run * n_tiles // n_runs, (run + 1) * n_tiles // n_runs):
+                n0, n_rows = n_w * tile, min(n_w, N - n_w * tile)
+                for k in range(n_w):
+                    w_at[k] = min(n0 + k, N - 1) * K
+                rows, rows_at = _tile_rows(w, x, w_at, K, wide, wide_at)
+                for t0 in range(b0, b1, n_x):
+                    for r in range(n_x):
+                        x_at[r] = min(t0 + r, T - 1) * K
+                    lanes(rows, rows_at, x, x_at, K // step, acc)
+                    for k in range(n_rows):
+                        for r in range(min(n_x, b1 - t0)):
+                            out[t0 + r, n0 + k] = acc[n_x * k + r]
+
+
+def _widens(w, x) -> bool:
+    """Whether the tiles widen w's rows first: 16-bit weights times float32 activations (fma);
+    vdpbf16ps takes bfloat16 bits as they are (x holds bits too)."""
+    return w.dtype != types.float32 and x.dtype == types.float32
+
+
+def _wide_rows(w, x, n):
+    """Room for n weights widened to float32 (none where _widens is false)."""
+
+
+@overload(_wide_rows, inline="always")
+def _wide_rows_impl(w, x, n):
+    size = 1 if _widens(w, x) else 0
+    return lambda w, x, n: np.empty(n * size, np.float32)
+
+
+def _tile_rows(w, x, w_at, K, wide, wide_at):
+    """(array, starts) a tile's products read its weight rows (at w_at) from: in place, or where
+    _widens, widened into wide (exact) at wide_at."""
+
+
+@overload(_tile_rows, inline="always")
+def _tile_rows_impl(w, x, w_at, K, wide, wide_at):
+    if not _widens(w, x):
+        return lambda w, x, w_at, K, wide, wide_at: (w, w_at)
+
+    def widened(w, x, w_at, K, wide, wide_at):
+        for k in range(len(w_at)):
+            widen_f32(w, w_at[k], wide, wide_at[k], K // 16)
+        return wide, wide_at
+    return widened
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

@@ -648,9 +648,32 @@ def _lane_tiles(n_w, n_x, product, n_chain=1, summed=False, ahead=0):
     return lane_tiles
 
 
-fma_lanes_2x4 = _lane_tiles(2, 4, "fma")
-fma_lanes_4x6 = _lane_tiles(4, 6, "fma")
-dpbf16_lanes_2x4 = _lane_tiles(2, 4, "dpbf16")
-dpbf16_lanes_4x6 = _lane_tiles(4, 6, "dpbf16")
+@intrinsic
+def widen_f32(typingctx, src, src_off, dst, dst_off, n16):
+    """dst[dst_off + i] = src[src_off + i] as float32 for i < 16 * n16: float16 (uint16) or
+    bfloat16 (int16) bit patterns widened, 16 a step (exact)."""
+    sig = types.void(src, types.intp, dst, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        src_a, src_off_a, dst_a, dst_off_a, n = args
+        c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+
+        def body(i, carried):
+            at = builder.mul(i, c(LANES))
+            v = _load_f32x16(context, builder, signature.args[0], src_a, builder.add(src_off_a, at))
+            builder.store(v, _ptr(context, builder, signature.args[2], dst_a, builder.add(dst_off_a, at), _F32X16),
+                          align=4)
+            return carried
+
+        _loop(builder, n, [], body)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+fma_lanes_2x4 = _lane_tiles(2, 4, "fma", summed=True)
+fma_lanes_4x6 = _lane_tiles(4, 6, "fma", summed=True)
+dpbf16_lanes_2x4 = _lane_tiles(2, 4, "dpbf16", summed=True)
+dpbf16_lanes_4x6 = _lane_tiles(4, 6, "dpbf16", summed=True)
 # ggml_vec_dot_bf16 of 4 rows: two accumulators each over steps of 64, rows asked for 8 KiB ahead
 dpbf16_dot_4x2 = _lane_tiles(4, 1, "dpbf16", n_chain=2, summed=True, ahead=4096)
