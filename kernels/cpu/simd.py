@@ -567,23 +567,33 @@ _BF16X32 = ir.VectorType(_BFloat(), 32)
 _I16X32 = ir.VectorType(ir.IntType(16), 32)
 
 
-def _hsum16(builder, v):
-    """_mm512_reduce_add_ps of a <16 x float>: halves added (i + i+8), then i + i+4, i + i+2,
-    0 + 1 (attention._reduce16's order), on vectors."""
-    width = LANES
+def _hsum16_all(builder, vectors):
+    """_mm512_reduce_add_ps of each of many <16 x float> (lanes i + i+8, then i + i+4, i + i+2,
+    0 + 1: attention._reduce16's order), taken together: at each level two vectors holding L
+    lanes per sum become one holding L/2, the first halves of each sum's lanes added to the
+    second halves. Returns [(vector, n)]: vectors of 16 sums in the input order, the last one's
+    first n real (so 24 sums cost 23 vector adds, not 96)."""
+    width, level = LANES, [(v, 1) for v in vectors]  # (vector, sums it holds)
     while width > 1:
-        width //= 2
-        low = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
-        high = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width))))
-        v = builder.fadd(low, high)
-    return builder.extract_element(v, ir.Constant(_I32, 0))
+        half, paired = width // 2, []
+        if len(level) % 2:
+            level.append((ir.Constant(_F32X16, 0.0), 0))
+        for (a, n_a), (b, n_b) in zip(level[::2], level[1::2]):
+            slots = LANES // width  # sums a vector holds at this level
+            firsts = [o * width + j for o in range(2 * slots) for j in range(half)]
+            seconds = [i + half for i in firsts]
+            lo = builder.shuffle_vector(a, b, ir.Constant(_I32X16, firsts))
+            hi = builder.shuffle_vector(a, b, ir.Constant(_I32X16, seconds))
+            paired.append((builder.fadd(lo, hi), slots + n_b if n_a == slots else n_a))
+        level, width = paired, half
+    return level
 
 
 def _lane_tiles(n_w, n_x, product, n_chain=1, summed=False, ahead=0):
     """An intrinsic: 16-lane accumulators for n_w weight rows (starting at w_at[k]) by n_x
     activation rows (at x_at[r]), n_chain each, from zero, in registers: step i's c-th vector of
     values (at width * (n_chain * i + c)) goes to accumulator c, stored at
-    acc[16 * (n_chain * (n_x * k + r) + c) + j]; summed: each accumulator's hsum (_hsum16)
+    acc[16 * (n_chain * (n_x * k + r) + c) + j]; summed: each accumulator's hsum (_hsum16_all)
     instead, at acc[n_chain * (n_x * k + r) + c]. Each step loads a weight vector once for the
     n_x rows and an activation vector once for the n_w; ahead: it also asks for the weight lines
     `ahead` values further on, into L2 (a matrix's next rows).
@@ -636,11 +646,17 @@ def _lane_tiles(n_w, n_x, product, n_chain=1, summed=False, ahead=0):
 
             sums = _loop(builder, n, [ir.Constant(_F32X16, 0.0)] * (n_w * n_x * n_chain), body)
             acc_data = cgutils.create_struct_proxy(signature.args[5])(context, builder, value=acc_a).data
+            if summed:
+                for g, (v, n_real) in enumerate(_hsum16_all(builder, sums)):
+                    if n_real == LANES:
+                        builder.store(v, _ptr(context, builder, signature.args[5], acc_a, c(16 * g), _F32X16), align=4)
+                        continue
+                    for j in range(n_real):
+                        builder.store(builder.extract_element(v, ir.Constant(_I32, j)),
+                                      builder.gep(acc_data, [c(16 * g + j)]))
+                return context.get_dummy_value()
             for k, v in enumerate(sums):
-                if summed:
-                    builder.store(_hsum16(builder, v), builder.gep(acc_data, [c(k)]))
-                else:
-                    builder.store(v, _ptr(context, builder, signature.args[5], acc_a, c(16 * k), _F32X16), align=4)
+                builder.store(v, _ptr(context, builder, signature.args[5], acc_a, c(16 * k), _F32X16), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
