@@ -6,6 +6,7 @@ import numpy as np
 from .formats import REPACK_ROWS, Format
 from .kernels.cpu import lanes
 from .kernels.cpu import layers
+from .kernels.cpu.float_products import products
 from .kernels.cpu import matmul as mm
 from .kernels.cpu.ops import GGML_AVX512
 from .kernels.cpu.unpack import dequantize, superblocks, unpack
@@ -13,7 +14,7 @@ from .kernels.cpu.unpack import dequantize, superblocks, unpack
 _FLOAT_FORMATS = {"F32": layers.FLOAT_F32, "F16": layers.FLOAT_F16, "BF16": layers.FLOAT_BF16}
 _NO_BYTES = np.zeros(0, np.uint8)
 _NO_SCALES = np.zeros((0, 0, mm.R), np.float32)
-_NO_FLOATS = np.zeros((0, 0), np.uint8)  # no float weights: the float products compile to nothing
+_NO_FLOATS = np.zeros((0, 0), np.uint16)  # no float weights (and no-op float products)
 
 
 def row_by_row(packed: tuple) -> tuple:
@@ -39,8 +40,9 @@ class Matrix:
         self.n_rows, self.n_cols = n_rows, n_cols
         if not fmt.quantized:  # the file's bits, as uint16 for every float format (layers.Weights.fweight)
             weight = np.ascontiguousarray(raw).view(np.uint16).copy()
+            float_format = _FLOAT_FORMATS[fmt.name]
             self.packed = layers.Weights(_NO_BYTES, _NO_SCALES, _NO_SCALES, 0, 0, weight, n_rows, 0, -1,
-                                         _FLOAT_FORMATS[fmt.name], _NO_SCALES, 0, False)
+                                         float_format, _NO_SCALES, 0, False, *products(float_format))
             return
         pack = self._pack_lanes if fmt.product == "lanes" else self._pack_tiles
         data, scale, bias, offset, bits, sb = pack(fmt, raw, n_rows, n_cols, release or (lambda r0, r1: None))
@@ -48,7 +50,8 @@ class Matrix:
                     and (GGML_AVX512 or not fmt.repacked_on_avx512_only))
         product = fmt.repacked_product if repacked else fmt.product
         self.packed = layers.Weights(data, scale, bias, offset, bits, _NO_FLOATS, n_rows, fmt.group,
-                                     mm.KIND_IDS[fmt.activation], 0, sb, mm.PRODUCT_IDS[product], False)
+                                     mm.KIND_IDS[fmt.activation], 0, sb, mm.PRODUCT_IDS[product], False,
+                                     *products(None))
 
     @staticmethod
     def _chunks(fmt, raw, n_rows, n_cols, release):

@@ -56,10 +56,7 @@ def float_matmul(weight, x, fmt, out):
     for n in nb.prange(N):
         acc = np.empty(4 * LANES, np.float32)
         for t in range(T):
-            if fmt == FLOAT_BF16 and GGML_AVX512_BF16:
-                out[t, n] = _dpbf16_dot(w, n * K, xf, t * K, K, acc, 1, 32)
-            else:
-                out[t, n] = _tiny_blas_dot(w, n * K, xf, t * K, K, acc)
+            out[t, n] = _batch_dot(w, n * K, xf, t * K, K, acc, fmt)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
@@ -73,12 +70,13 @@ def float_matvec3(w1, w2, w3, n_mats, x, fmt, o1, o2, o3):
     q1, q2, q3 = (N1 + 3) // 4, (N2 + 3) // 4, (N3 + 3) // 4
     f1, f2, f3 = w1.reshape(N1 * K), w2.reshape(N2 * K), w3.reshape(w3.shape[0] * K)
     for quad in nb.prange(q1 + q2 + q3):
-        if quad < q1:
-            _four_rows(f1, N1, K, quad, xf, xb, fmt, o1)
-        elif quad < q1 + q2:
-            _four_rows(f2, N2, K, quad - q1, xf, xb, fmt, o2)
-        else:
-            _four_rows(f3, N3, K, quad - q1 - q2, xf, xb, fmt, o3)
+        # one call site, so that the rows' code compiles once, not once per matrix
+        first = quad < q1
+        second = not first and quad < q1 + q2
+        w = f1 if first else f2 if second else f3
+        out = o1 if first else o2 if second else o3
+        N = N1 if first else N2 if second else N3
+        _four_rows(w, N, K, quad - (0 if first else q1 if second else q1 + q2), xf, xb, fmt, out)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -93,6 +91,66 @@ def _four_rows(w, N, K, quad, xf, xb, fmt, out):
     """out[0, n] for rows n of quad (4 rows: fewer for the last) of w (N * K,) flat, one token:
     ggml's vec_dot for the format (module doc); xb: x's bf16 bits where _vector_bf16."""
     if _vector_bf16(w, K):
+        _bf16_vector_rows(w, N, K, quad, xb, out)
+        return
+    acc = np.empty(4 * LANES, np.float32)
+    for n in range(4 * quad, min(4 * quad + 4, N)):
+        out[0, n] = _token_dot(w, n * K, xf, K, acc, fmt)
+
+
+# The models' weights say their format by their dtype (uint16: F16 bits, int16: BF16 bits), so
+# the code of each format's dot compiles only where it can run: these choose it when compiling.
+# float32 weights follow fmt (F32's own, or the tests' widened F16 and BF16 values).
+def _token_dot(w, w_at, x, K, acc, fmt):
+    """One output of one token: ggml's vec_dot for the format (module doc)."""
+
+
+@overload(_token_dot, inline="always")
+def _token_dot_impl(w, w_at, x, K, acc, fmt):
+    if w.dtype == types.int16 and GGML_AVX512_BF16:
+        return lambda w, w_at, x, K, acc, fmt: _dpbf16_dot(w, w_at, x, 0, K, acc, 2, 64)
+    if w.dtype == types.int16:
+        return lambda w, w_at, x, K, acc, fmt: _vec_dot_bf16(w, w_at, x, 0, K, acc)
+    if w.dtype == types.uint16:
+        return lambda w, w_at, x, K, acc, fmt: _vec_dot(w, w_at, x, 0, K, True)
+
+    def any_format(w, w_at, x, K, acc, fmt):
+        if fmt == FLOAT_BF16 and GGML_AVX512_BF16:
+            return _dpbf16_dot(w, w_at, x, 0, K, acc, 2, 64)
+        if fmt == FLOAT_BF16:
+            return _vec_dot_bf16(w, w_at, x, 0, K, acc)
+        return _vec_dot(w, w_at, x, 0, K, fmt == FLOAT_F16)
+    return any_format
+
+
+def _batch_dot(w, w_at, x, x_at, K, acc, fmt):
+    """One output of a batch row where no tiles apply: tinyBLAS's dot for the format."""
+
+
+@overload(_batch_dot, inline="always")
+def _batch_dot_impl(w, w_at, x, x_at, K, acc, fmt):
+    if w.dtype == types.int16 and GGML_AVX512_BF16:
+        return lambda w, w_at, x, x_at, K, acc, fmt: _dpbf16_dot(w, w_at, x, x_at, K, acc, 1, 32)
+    if w.dtype != types.float32 or not GGML_AVX512_BF16:
+        return lambda w, w_at, x, x_at, K, acc, fmt: _tiny_blas_dot(w, w_at, x, x_at, K, acc)
+
+    def any_format(w, w_at, x, x_at, K, acc, fmt):
+        if fmt == FLOAT_BF16:
+            return _dpbf16_dot(w, w_at, x, x_at, K, acc, 1, 32)
+        return _tiny_blas_dot(w, w_at, x, x_at, K, acc)
+    return any_format
+
+
+def _bf16_vector_rows(w, N, K, quad, xb, out):
+    """_four_rows where _vector_bf16 (compiled for bfloat16 bits only)."""
+
+
+@overload(_bf16_vector_rows, inline="always")
+def _bf16_vector_rows_impl(w, N, K, quad, xb, out):
+    if w.dtype != types.int16:
+        return lambda w, N, K, quad, xb, out: None
+
+    def rows(w, N, K, quad, xb, out):
         acc = np.empty(4 * 2, np.float32)   # (4, 2): the hsums of each row's two accumulators
         at = np.empty(5, np.int64)          # where the 4 weight rows (the last repeated) and x start
         for k in range(4):
@@ -105,27 +163,28 @@ def _four_rows(w, N, K, quad, xf, xb, fmt, out):
             for i in range(K - K % 64, K):
                 wide += np.float64(_weight(w, n * K + i) * _weight(xb, i))
             out[0, n] = np.float32(wide)
-        return
-    acc = np.empty(4 * LANES, np.float32)
-    for n in range(4 * quad, min(4 * quad + 4, N)):
-        if fmt == FLOAT_BF16 and GGML_AVX512_BF16:
-            out[0, n] = _dpbf16_dot(w, n * K, xf, 0, K, acc, 2, 64)
-        elif fmt == FLOAT_BF16:
-            out[0, n] = _vec_dot_bf16(w, n * K, xf, 0, K, acc)
-        else:
-            out[0, n] = _vec_dot(w, n * K, xf, 0, K, fmt == FLOAT_F16)
+    return rows
 
 
-@nb.njit(inline="always", cache=True, nogil=True)
 def _tiny_blas_tiles(w, x, N, K, T, out):
     """tinyBLAS with AVX-512 (K a multiple of 16): each output's 16-lane accumulator exactly as
     _tiny_blas_dot's, computed in register tiles of 4 weight rows by 6 activation rows (2 by 4
     under 8 rows) so that a weight vector loads once for the tile's activation rows and an
-    activation vector once for its weight rows (_tiles)."""
-    if T >= 8:
-        _tiles(w, x, N, K, T, out, fma_lanes_4x6, 4, 6, 16)
-    else:
-        _tiles(w, x, N, K, T, out, fma_lanes_2x4, 2, 4, 16)
+    activation vector once for its weight rows (_tiles). Not compiled where it cannot run: BF16
+    takes vdpbf16ps where the CPU has it, and AVX2 has no 16-lane tiles."""
+
+
+@overload(_tiny_blas_tiles, inline="always")
+def _tiny_blas_tiles_impl(w, x, N, K, T, out):
+    if LANES != 16 or (w.dtype == types.int16 and GGML_AVX512_BF16):
+        return lambda w, x, N, K, T, out: None
+
+    def tiles(w, x, N, K, T, out):
+        if T >= 8:
+            _tiles(w, x, N, K, T, out, fma_lanes_4x6, 4, 6, 16)
+        else:
+            _tiles(w, x, N, K, T, out, fma_lanes_2x4, 2, 4, 16)
+    return tiles
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -208,14 +267,23 @@ def _bf16_bits(x):
     return bits
 
 
-@nb.njit(inline="always", cache=True, nogil=True)
 def _dpbf16_products(w, xb, N, K, T, out):
     """A batch (T >= 2) with BF16 weights where _vector_bf16: tinyBLAS's single accumulator over
-    steps of 32, in register tiles (4 weight rows by 6 activation rows, 2 by 4 under 8 rows)."""
-    if T >= 8:
-        _tiles(w, xb, N, K, T, out, dpbf16_lanes_4x6, 4, 6, 32)
-    else:
-        _tiles(w, xb, N, K, T, out, dpbf16_lanes_2x4, 2, 4, 32)
+    steps of 32, in register tiles (4 weight rows by 6 activation rows, 2 by 4 under 8 rows);
+    compiled for bfloat16 bits only."""
+
+
+@overload(_dpbf16_products, inline="always")
+def _dpbf16_products_impl(w, xb, N, K, T, out):
+    if w.dtype != types.int16 or not GGML_AVX512_BF16:
+        return lambda w, xb, N, K, T, out: None
+
+    def products(w, xb, N, K, T, out):
+        if T >= 8:
+            _tiles(w, xb, N, K, T, out, dpbf16_lanes_4x6, 4, 6, 32)
+        else:
+            _tiles(w, xb, N, K, T, out, dpbf16_lanes_2x4, 2, 4, 32)
+    return products
 
 
 def _holds_bf16_bits(w):

@@ -21,7 +21,8 @@ from . import ops
 from .attention import attention, attention_rows
 from .attention_q import attention_quantized, hadamard_rotated, rotation_size, store_kv_quantized
 from .f16 import f16_round
-from .float_matmul import FLOAT_BF16, FLOAT_F16, FLOAT_F32, PARALLEL_MIN, float_matmul, float_matvec3
+from .float_matmul import FLOAT_BF16, FLOAT_F16, FLOAT_F32, PARALLEL_MIN
+from .float_products import call_product, call_rows3
 from .k_quants import qmatmul_k_lanes
 from .lanes import qmatmul_lanes, qmatmul_lanes3
 from .matmul import (KIND_Q8_1, PRODUCT_K_LANES, PRODUCT_K_LANES_8X8, PRODUCT_LANES, PRODUCT_LANES_BLOCKS, PRODUCT_Q4_K,
@@ -38,8 +39,7 @@ class Weights(NamedTuple):
     bias: np.ndarray          # (NT, K/G or 0, R) likewise: mins
     offset: int               # code offset (Q4_0: 8; formats with a min: 0)
     bits: int                 # code width in data
-    fweight: np.ndarray       # uint16: the bits of F16 or BF16 weights (N, K), of F32 ones (N, 2K); else (0, 0) uint8.
-                              # One type for every format: one compiled layer serves them all
+    fweight: np.ndarray       # uint16: the bits of F16 or BF16 weights (N, K), of F32 ones (N, 2K); else (0, 0)
     n_rows: int
     group: int                # values a scale covers
     kind: int                 # the activation quantization it pairs with (matmul.KIND_*), -1 for floats
@@ -47,12 +47,14 @@ class Weights(NamedTuple):
     sb: np.ndarray            # K-quants: each super-block's d and dmin, tiled
     product: int              # how llama.cpp's x86 backend sums it (matmul.PRODUCT_*)
     row_by_row: bool          # each batch row multiplied as if alone (where the sums follow the batch size)
+    float_product: int        # the float products' C functions (float_products.products): addresses, so
+    float_rows3: int          # that one compiled layer serves every model
 
 
 # a Weights field's index in the plain tuple, for compiled code
-W_DATA, W_OFFSET, W_BITS, W_FWEIGHT, W_N_ROWS, W_KIND, W_FLOAT_FORMAT, W_PRODUCT = (
+W_DATA, W_OFFSET, W_BITS, W_FWEIGHT, W_N_ROWS, W_KIND, W_FLOAT_FORMAT, W_PRODUCT, W_FLOAT_ROWS3 = (
     Weights._fields.index(name) for name in ("data", "offset", "bits", "fweight", "n_rows", "kind", "float_format",
-                                             "product"))
+                                             "product", "float_rows3"))
 
 
 class Paging(NamedTuple):
@@ -158,11 +160,12 @@ def _same_input(w1, w2):
 @nb.njit(**_WRAPPER)
 def _apply(w, x, act):
     """out (T, N) = x @ W.T with act = _activations(W, x), x = _float_input(W, x) for float weights."""
-    data, scale, bias, offset, bits, fweight, n_rows, group, kind, float_format, sb, product, row_by_row = w
+    (data, scale, bias, offset, bits, fweight, n_rows, group, kind, float_format, sb, product, row_by_row,
+     float_product, _) = w
     T = x.shape[0]
     out = np.empty((T, n_rows), np.float32)
     if kind < 0:
-        _float_product(fweight, x, float_format, out)
+        call_product(float_product, fweight, np.ascontiguousarray(x), float_format, out)
         return out
     q, d16, s16, n16, d32, s32, n32, n4 = act
     if product == PRODUCT_LANES or product == PRODUCT_LANES_BLOCKS:
@@ -211,61 +214,15 @@ def _float_token(w1, w2, w3, x):
     return x.shape[0] == 1 and w1[W_KIND] < 0 and _same_input(w1, w2) and _same_input(w1, w3)
 
 
+@nb.njit(**_WRAPPER)
 def _float_token_products(w1, w2, w3, n_mats, x):
     """(x @ W1.T, x @ W2.T, x @ W3.T or an empty array) for one token (see _float_token)."""
-
-
-def _float_product(fweight, x, fmt, out):
-    """out = x @ W.T for float weights held as uint16 (Weights.fweight), read as their format:
-    float32 values, float16 bits (uint16) or bfloat16 bits (int16, float_matmul._weight)."""
-
-
-# A matrix without float weights (fweight the uint8 placeholder) compiles both to nothing: a
-# quantized model's layer carries no float product code, and every float format shares one.
-def _no_floats(fweight_type) -> bool:
-    return fweight_type.dtype == types.uint8
-
-
-@overload(_float_token_products)
-def _float_token_products_impl(w1, w2, w3, n_mats, x):
-    if _no_floats(w1.types[W_FWEIGHT]):
-        def none(w1, w2, w3, n_mats, x):
-            empty = np.empty((1, 0), np.float32)
-            return empty, empty, empty
-
-        return none
-
-    def impl(w1, w2, w3, n_mats, x):
-        xr = _float_input(w1, x)
-        fw1, fw2, fw3, fmt = w1[W_FWEIGHT], w2[W_FWEIGHT], w3[W_FWEIGHT], w1[W_FLOAT_FORMAT]
-        o1, o2 = np.empty((1, fw1.shape[0]), np.float32), np.empty((1, fw2.shape[0]), np.float32)
-        o3 = np.empty((1, fw3.shape[0] if n_mats == 3 else 0), np.float32)
-        if fmt == FLOAT_F32:
-            float_matvec3(fw1.view(np.float32), fw2.view(np.float32), fw3.view(np.float32), n_mats, xr, fmt,
-                          o1, o2, o3)
-        elif fmt == FLOAT_BF16:
-            float_matvec3(fw1.view(np.int16), fw2.view(np.int16), fw3.view(np.int16), n_mats, xr, fmt, o1, o2, o3)
-        else:
-            float_matvec3(fw1, fw2, fw3, n_mats, xr, fmt, o1, o2, o3)
-        return o1, o2, o3
-
-    return impl
-
-
-@overload(_float_product)
-def _float_product_impl(fweight, x, fmt, out):
-    if _no_floats(fweight):
-        return lambda fweight, x, fmt, out: None
-
-    def impl(fweight, x, fmt, out):
-        if fmt == FLOAT_F32:
-            float_matmul(fweight.view(np.float32), x, fmt, out)
-        elif fmt == FLOAT_BF16:
-            float_matmul(fweight.view(np.int16), x, fmt, out)
-        else:
-            float_matmul(fweight, x, fmt, out)
-
-    return impl
+    xr = np.ascontiguousarray(_float_input(w1, x))
+    fw1, fw2, fw3, fmt = w1[W_FWEIGHT], w2[W_FWEIGHT], w3[W_FWEIGHT], w1[W_FLOAT_FORMAT]
+    o1, o2 = np.empty((1, fw1.shape[0]), np.float32), np.empty((1, fw2.shape[0]), np.float32)
+    o3 = np.empty((1, fw3.shape[0] if n_mats == 3 else 0), np.float32)
+    call_rows3(w1[W_FLOAT_ROWS3], fw1, fw2, fw3, n_mats, xr, fmt, o1, o2, o3)
+    return o1, o2, o3
 
 
 @nb.njit(**_WRAPPER)
