@@ -159,7 +159,8 @@ def _repo_folder(repo: str) -> Path:
 
 
 def _listing_online(ref: ModelRef):
-    """(commit, files, architecture or None) from the hub; None if the hub cannot be reached."""
+    """((commit, files, architecture or None), None) from the hub; (None, why) if it cannot be
+    reached."""
     hub = _hub()
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled,
                                         RepositoryNotFoundError)
@@ -266,10 +267,8 @@ def fetch(ref: ModelRef, quiet: bool = False, log=None) -> Path:
     (huggingface_hub's, on stderr)."""
     log = log or (lambda line: None)
     hub = _hub()
-    offline, why_offline = _offline(), None
-    listing = None if offline else _listing_online(ref)
-    if listing is not None:
-        listing, why_offline = listing
+    offline = _offline()
+    listing, why_offline = (None, None) if offline else _listing_online(ref)
     if listing is not None:
         commit, files, architecture = listing
         _check_architecture(ref, architecture)

@@ -179,12 +179,16 @@ def _tiny_blas_tiles_impl(w, x, N, K, T, out):
     if LANES != 16 or (w.dtype == types.int16 and GGML_AVX512_BF16):
         return lambda w, x, N, K, T, out: None
 
-    def tiles(w, x, N, K, T, out):
-        if T >= 8:
-            _tiles(w, x, N, K, T, out, fma_lanes_4x6, 4, 6, 16)
-        else:
-            _tiles(w, x, N, K, T, out, fma_lanes_2x4, 2, 4, 16)
-    return tiles
+    return lambda w, x, N, K, T, out: _tiles_by_batch(w, x, N, K, T, out, fma_lanes_4x6, fma_lanes_2x4, 16)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _tiles_by_batch(w, x, N, K, T, out, lanes_4x6, lanes_2x4, step):
+    """_tiles of 4 weight rows by 6 activation rows, or 2 by 4 under 8 rows."""
+    if T >= 8:
+        _tiles(w, x, N, K, T, out, lanes_4x6, 4, 6, step)
+    else:
+        _tiles(w, x, N, K, T, out, lanes_2x4, 2, 4, step)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -278,12 +282,8 @@ def _dpbf16_products_impl(w, xb, N, K, T, out):
     if w.dtype != types.int16 or not GGML_AVX512_BF16:
         return lambda w, xb, N, K, T, out: None
 
-    def products(w, xb, N, K, T, out):
-        if T >= 8:
-            _tiles(w, xb, N, K, T, out, dpbf16_lanes_4x6, 4, 6, 32)
-        else:
-            _tiles(w, xb, N, K, T, out, dpbf16_lanes_2x4, 2, 4, 32)
-    return products
+    return lambda w, xb, N, K, T, out: _tiles_by_batch(w, xb, N, K, T, out, dpbf16_lanes_4x6, dpbf16_lanes_2x4,
+                                                       32)
 
 
 def _holds_bf16_bits(w):
