@@ -287,6 +287,21 @@ def test_geglu_matches_cpu():
     np.testing.assert_allclose(to_host(out), want, rtol=1e-3, atol=1e-6)  # gelu rounded to f16
 
 
+@pytest.mark.parametrize("glu, kind", [("swiglu", cpu_mm.KIND_Q8_K), ("geglu", cpu_mm.KIND_Q8_0),
+                                       ("swiglu", cpu_mm.KIND_Q8_1)])
+def test_glu_quantize_fused_is_the_glu_then_its_quantization(glu, kind):
+    rng = rng_for(f"glu_quantize_{glu}")
+    gate = (rng.standard_normal((3, 256)) * 4).astype(np.float32)
+    up = rng.standard_normal((3, 256)).astype(np.float32)
+    alone = cuda.device_array_like(gate)
+    getattr(gpu, glu)(cuda.to_device(gate), cuda.to_device(up), alone)
+    out = cuda.device_array_like(gate)
+    act = gpu.glu_quantize(cuda.to_device(gate), cuda.to_device(up), gpu.GLU_SILU if glu == "swiglu" else gpu.GLU_GELU,
+                           kind, out)
+    np.testing.assert_array_equal(to_host(out), to_host(alone))
+    assert_quantized_equal(act, cpu_quantize(to_host(alone), kind))
+
+
 def test_add_inplace_matches_cpu():
     rng = rng_for("add")
     x = rng.standard_normal((3, 40)).astype(np.float32)

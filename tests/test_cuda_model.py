@@ -346,10 +346,10 @@ from minillm.backends import cuda as cuda_backend_module  # noqa: E402
 from minillm.kernels.cuda.launch import COUNTS, Replay  # noqa: E402
 
 # a Llama layer's decode step: norm + quantize, q/k/v stacked, RoPE + store, attention, quantize,
-# o, add, norm + quantize, gate/up stacked, SwiGLU, quantize, down, add (biases and scales
+# o, add, norm + quantize, gate/up stacked, SwiGLU + quantize, down, add (biases and scales
 # absent: no launch); then the output norm, quantize and product
-LAUNCHES_PER_LLAMA_LAYER = 13
-LAUNCHES_PER_LLAMA_LAYER_UNSTACKED = 16  # with the tiled kernels (BATCHED): a launch a matrix
+LAUNCHES_PER_LLAMA_LAYER = 12
+LAUNCHES_PER_LLAMA_LAYER_UNSTACKED = 15  # with the tiled kernels (BATCHED): a launch a matrix
 LAUNCHES_AFTER_THE_LAYERS = 3
 
 

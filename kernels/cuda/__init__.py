@@ -9,7 +9,7 @@ compiles every kernel to real PTX without a GPU.
 Modules:
     registry    KERNELS: every kernel with the signatures it is checked for
     device      device helpers (f16 rounding, int8 dot products, block reductions)
-    norm_quant  rmsnorm, activation quantization, the two fused
+    norm_quant  rmsnorm, activation quantization, each fused after rmsnorm or a GLU
     blocks      GGUF's quantized blocks decoded in registers (codes, group scales)
     matmul      quantized and float matrix products, the device weight layouts
     launch      every launch, recorded and replayed (decode steps)
@@ -28,12 +28,12 @@ from .attention import attention, attention_kernel  # noqa: E402 (after the nump
 from .matmul import (
     FWeights, QWeights, fmatmul, qmatmul, round_activations, upload_blocks, upload_float_matrix,
 )
-from .norm_quant import QActivations, quantize, rmsnorm, rmsnorm_quantize
+from .norm_quant import GLU_GELU, GLU_SILU, QActivations, glu_quantize, quantize, rmsnorm, rmsnorm_quantize
 from .ops import add_inplace, geglu, rope_store_kv, store_kv, swiglu
 from .registry import KERNELS
 
 __all__ = [
-    "KERNELS", "FWeights", "QActivations", "QWeights", "add_inplace", "attention", "attention_kernel",
-    "fmatmul", "geglu", "qmatmul", "quantize", "rmsnorm", "rmsnorm_quantize",
+    "GLU_GELU", "GLU_SILU", "KERNELS", "FWeights", "QActivations", "QWeights", "add_inplace", "attention",
+    "attention_kernel", "fmatmul", "geglu", "glu_quantize", "qmatmul", "quantize", "rmsnorm", "rmsnorm_quantize",
     "rope_store_kv", "round_activations", "store_kv", "swiglu", "upload_blocks", "upload_float_matrix",
 ]

@@ -21,6 +21,7 @@ rope_attend rotates q and k, add(x, y) computes x + y into y, add_bias and scale
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -30,7 +31,7 @@ from numba import cuda
 
 from .attention import attention
 from .matmul import FWeights, QWeights, fmatmul, qmatmul
-from .norm_quant import QActivations, quantize, rmsnorm, rmsnorm_quantize
+from .norm_quant import GLU_GELU, GLU_SILU, QActivations, glu_quantize, quantize, rmsnorm, rmsnorm_quantize
 from .launch import COUNTS, launch
 from .ops import _launch, add_inplace, add_rows_kernel, geglu as geglu_into, rope_store_kv, scale_kernel, swiglu as swiglu_into
 
@@ -129,21 +130,30 @@ def recycle(keep=()) -> None:
     POOL.recycle(keep)
     _QUANTIZED.clear()
     _NORMED_BY.clear()
+    _GLU_BY.clear()
+    _GLU_CALLS[0] = 0
 
 
 # ---- matrix products -------------------------------------------------------------------
 #
-# Two fusions spare launches and passes over memory:
+# Three fusions spare launches and passes over memory:
 #  - a norm whose output the next product quantizes quantizes it in the same launch
 #    (rmsnorm_quantize): the kind each norm's weight is followed by is learned on the first
 #    pass (_NORM_KINDS), and the quantized rows wait in _QUANTIZED for the product that reads them;
+#  - so does a SwiGLU or GeGLU (glu_quantize), its kind learned per call of the layer (the n-th
+#    GLU of a layer, at its width: _GLU_KINDS). A product that wants another kind than the one
+#    learned quantizes the output again and learns the new kind: never wrong, and one launch
+#    more only where the kinds alternate;
 #  - a single token's products with matrices of one format, width and activation kind (q, k, v;
 #    gate, up) are one launch over their rows stacked: the matrices are moved into one device
 #    buffer on first use, each keeping a view of its rows (no byte stored twice).
 
 _NORM_KINDS: dict[int, tuple] = {}  # id(norm weight) -> (weak reference to it, the kind after it)
-_QUANTIZED: dict[int, tuple] = {}  # id(x) -> (x, norm weight, its QActivations) until the buffers recycle
-_NORMED_BY: dict[int, tuple] = {}  # id(x) -> (x, norm weight): the norms' outputs not quantized yet
+_QUANTIZED: dict[int, tuple] = {}  # id(x) -> (x, learn(kind), its QActivations) until the buffers recycle
+_NORMED_BY: dict[int, tuple] = {}  # id(x) -> (x, learn(kind)): the norms' outputs not quantized yet
+_GLU_KINDS: dict[tuple, int] = {}  # (the GLU's call index in the layer, width) -> the kind after it
+_GLU_BY: dict[int, tuple] = {}     # id(x) -> (x, learn(kind)): GLU outputs not quantized yet
+_GLU_CALLS = [0]                   # GLUs called since the buffers last recycled (the layer so far)
 
 
 def _activation_buffers(T: int, K: int, kind: int) -> QActivations:
@@ -157,11 +167,14 @@ def _quantize(x, kind: int):
     if kind == FLOAT_KIND:
         return None
     done = _QUANTIZED.get(id(x))
-    if done is not None and done[0] is x and done[2].kind == kind:
-        return done[2]
-    normed = _NORMED_BY.get(id(x))
-    if normed is not None and normed[0] is x:
-        _NORM_KINDS[id(normed[1])] = (weakref.ref(normed[1]), kind)  # the next pass quantizes in the norm's launch
+    if done is not None and done[0] is x:
+        if done[2].kind == kind:
+            return done[2]
+        done[1](kind)  # quantized in its launch for another kind: learn this one
+    for produced in (_NORMED_BY, _GLU_BY):  # the next pass quantizes in the norm's or GLU's launch
+        made = produced.get(id(x))
+        if made is not None and made[0] is x:
+            made[1](kind)
     return quantize(x, kind, _activation_buffers(*x.shape, kind))
 
 
@@ -234,12 +247,17 @@ def norm(x, weight, eps):
     out = POOL.take(x.shape)
     learned = _NORM_KINDS.get(id(weight))
     kind = learned[1] if learned is not None and learned[0]() is weight else None
+    learn = functools.partial(_learn_norm_kind, weight)
     if kind is None:
-        _NORMED_BY[id(out)] = (out, weight)
+        _NORMED_BY[id(out)] = (out, learn)
         return rmsnorm(x, weight, eps, out)
     act = rmsnorm_quantize(x, weight, eps, kind, out, _activation_buffers(*x.shape, kind))
-    _QUANTIZED[id(out)] = (out, weight, act)
+    _QUANTIZED[id(out)] = (out, learn, act)
     return out
+
+
+def _learn_norm_kind(weight, kind: int) -> None:
+    _NORM_KINDS[id(weight)] = (weakref.ref(weight), kind)
 
 
 def head_norm(x, weight, eps, n_heads, head_dim):
@@ -285,8 +303,23 @@ def add(x, y):
 
 
 def swiglu(gate, up):
-    return swiglu_into(gate, up, POOL.take(gate.shape))
+    return _glu(gate, up, GLU_SILU)
 
 
 def geglu(gate, up):
-    return geglu_into(gate, up, POOL.take(gate.shape))
+    return _glu(gate, up, GLU_GELU)
+
+
+def _glu(gate, up, glu: int):
+    """silu(gate) * up or gelu(gate) * up into a new buffer, quantized in the same launch for
+    the kind the product after this call took on an earlier pass."""
+    key = (_GLU_CALLS[0], gate.shape[1])
+    _GLU_CALLS[0] += 1
+    out = POOL.take(gate.shape)
+    kind = _GLU_KINDS.get(key)
+    learn = functools.partial(_GLU_KINDS.__setitem__, key)
+    if kind is None:
+        _GLU_BY[id(out)] = (out, learn)
+        return (swiglu_into if glu == GLU_SILU else geglu_into)(gate, up, out)
+    _QUANTIZED[id(out)] = (out, learn, glu_quantize(gate, up, glu, kind, out, _activation_buffers(*gate.shape, kind)))
+    return out

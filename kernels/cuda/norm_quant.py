@@ -1,4 +1,5 @@
-"""RMS norm and the run-time quantization of activations (llama.cpp's Q8_0 / Q8_1 / Q8_K).
+"""RMS norm and the run-time quantization of activations (llama.cpp's Q8_0 / Q8_1 / Q8_K), alone
+or in the launch that computes the row (rmsnorm_quantize, glu_quantize).
 
 One thread block per row. The quantized activations of a (T, K) batch are held as
     words int32   (T, K/4)   the int8 codes, 4 per word (byte j of word i = code 4i + j)
@@ -18,6 +19,7 @@ from numba import cuda
 from ..cpu.matmul import KIND_Q8_1, KIND_Q8_K  # plain constants: no CPU kernel is compiled
 from .device import MAX_THREADS, f16_round, pack4, pow2_threads, row_inv_rms
 from .launch import launch
+from .ops import gelu_times, silu_times
 from .registry import device, kernel
 
 MAX_GROUPS32 = 1024  # rows up to K = 32768 values
@@ -140,6 +142,25 @@ def rmsnorm_quantize_kernel(x, weight, eps, kind, out, words, d16, s16, d32, s32
     quantize_row(out, t, kind, words, d16, s16, d32, s32, amax_sh, vmax_sh)
 
 
+GLU_SILU, GLU_GELU = 0, 1  # glu_quantize's gate functions (SwiGLU, GeGLU)
+
+
+@kernel(f"void(float32[:, ::1], float32[:, ::1], int64, int64, float32[:, ::1], {_QUANT_OUT})")
+def glu_quantize_kernel(gate, up, glu, kind, out, words, d16, s16, d32, s32):
+    """out = silu(gate) * up (glu GLU_SILU) or gelu(gate) * up (GLU_GELU), then out quantized
+    (one launch); grid T blocks."""
+    amax_sh = cuda.shared.array(MAX_GROUPS32, np.float32)
+    vmax_sh = cuda.shared.array(MAX_GROUPS32, np.float32)
+    t = cuda.blockIdx.x
+    for j in range(cuda.threadIdx.x, gate.shape[1], cuda.blockDim.x):
+        if glu == GLU_SILU:
+            out[t, j] = silu_times(gate[t, j], up[t, j])
+        else:
+            out[t, j] = gelu_times(gate[t, j], up[t, j])
+    cuda.syncthreads()
+    quantize_row(out, t, kind, words, d16, s16, d32, s32, amax_sh, vmax_sh)
+
+
 # ---------------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------------
@@ -201,4 +222,14 @@ def rmsnorm_quantize(x, weight, eps: float, kind: int, out, act: QActivations | 
         act = QActivations.empty(T, K, kind)
     launch(rmsnorm_quantize_kernel, T, pow2_threads(K, hi=MAX_THREADS),
            x, weight, np.float32(eps), kind, out, act.words, act.d16, act.s16, act.d32, act.s32)
+    return act
+
+
+def glu_quantize(gate, up, glu: int, kind: int, out, act: QActivations | None = None) -> QActivations:
+    """out = silu(gate) * up or gelu(gate) * up (glu) and its quantization, in one launch."""
+    T, K = gate.shape
+    if not _fits(act, T, K, kind):
+        act = QActivations.empty(T, K, kind)
+    launch(glu_quantize_kernel, T, pow2_threads(K, hi=MAX_THREADS),
+           gate, up, glu, kind, out, act.words, act.d16, act.s16, act.d32, act.s32)
     return act

@@ -77,15 +77,10 @@ def rope_store_kv_kernel(q, k, v, positions, n_heads, n_kv_heads, n_dims, cos_t,
             kv_pos[slot] = positions[t]
 
 
-@kernel("void(float32[:, ::1], float32[:, ::1], float32[:, ::1])")
-def swiglu_kernel(gate, up, out):
-    """out = silu(gate) * up (T, F); grid over T * F threads."""
-    i = cuda.grid(1)
-    if i < gate.size:
-        t = i // gate.shape[1]
-        j = i % gate.shape[1]
-        g = gate[t, j]
-        out[t, j] = (g / (np.float32(1.0) + np.float32(math.exp(-g)))) * up[t, j]
+@device
+def silu_times(g, u):
+    """silu(g) * u."""
+    return (g / (np.float32(1.0) + np.float32(math.exp(-g)))) * u
 
 
 @device
@@ -94,20 +89,34 @@ def _gelu(x):
     return np.float32(0.5) * x * (np.float32(1.0) + np.float32(math.tanh(inner)))
 
 
+@device
+def gelu_times(g, u):
+    """gelu(g) * u as ggml with GGML_GELU_FP16 (the gelu of an f16 input, rounded to f16)."""
+    if g <= np.float32(-10.0):
+        return np.float32(0.0)
+    if g >= np.float32(10.0):
+        return g * u
+    return f16_round(_gelu(f16_round(g))) * u
+
+
 @kernel("void(float32[:, ::1], float32[:, ::1], float32[:, ::1])")
-def geglu_kernel(gate, up, out):
-    """out = gelu(gate) * up as ggml with GGML_GELU_FP16 (the gelu of an f16 input, rounded to f16)."""
+def swiglu_kernel(gate, up, out):
+    """out = silu(gate) * up (T, F); grid over T * F threads."""
     i = cuda.grid(1)
     if i < gate.size:
         t = i // gate.shape[1]
         j = i % gate.shape[1]
-        g = gate[t, j]
-        if g <= np.float32(-10.0):
-            out[t, j] = np.float32(0.0)
-        elif g >= np.float32(10.0):
-            out[t, j] = g * up[t, j]
-        else:
-            out[t, j] = f16_round(_gelu(f16_round(g))) * up[t, j]
+        out[t, j] = silu_times(gate[t, j], up[t, j])
+
+
+@kernel("void(float32[:, ::1], float32[:, ::1], float32[:, ::1])")
+def geglu_kernel(gate, up, out):
+    """out = gelu(gate) * up (see gelu_times)."""
+    i = cuda.grid(1)
+    if i < gate.size:
+        t = i // gate.shape[1]
+        j = i % gate.shape[1]
+        out[t, j] = gelu_times(gate[t, j], up[t, j])
 
 
 @kernel("void(float32[:, ::1], float32[:, ::1])")
