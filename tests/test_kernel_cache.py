@@ -65,3 +65,20 @@ def test_elf_symbols_are_the_defined_ones():
     if sys.platform.startswith("linux"):
         assert {"probe", "uses_inner", "table"} <= symbols and "external_helper" not in symbols
     assert elf_defined_symbols(b"\xcf\xfa\xed\xfe" + bytes(60)) is None  # Mach-O: Numba's own path
+
+
+def test_cached_kernels_are_keyed_to_every_source_compiled_code_comes_from(monkeypatch):
+    """A kernel's cache entry records, beside its own file's hash, a digest of all the sources
+    compiled code is made of (kernels/cpu/cache_stamp.py): when any of them changes (simd.py
+    under matmul.py's kernels, say), the entry no longer matches and the kernel compiles again."""
+    import numpy as np
+
+    from minillm.kernels.cpu import cache_stamp, layers
+
+    x = np.ones((1, 32), np.float32)
+    layers.quantize(x, 0)  # compiled or loaded, and in the cache either way
+    cache_file = layers.quantize._cache._cache_file
+    own_hash, digest = cache_file._source_stamp
+    assert digest == cache_stamp.source_digest() and cache_file._load_index()
+    monkeypatch.setattr(cache_file, "_source_stamp", (own_hash, "the digest of other sources"))
+    assert cache_file._load_index() == {}
