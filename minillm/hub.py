@@ -226,20 +226,11 @@ def _check_architecture(ref: ModelRef, architecture: str | None) -> None:
                            f"(it runs {', '.join(sorted(ARCHITECTURES))})")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _download(ref: ModelRef, commit: str, f: HubFile, offline: bool) -> Path:
-    """One file into the cache, its sha256 checked when it is new."""
+def _download(ref: ModelRef, commit: str, f: HubFile, offline: bool, cached: bool) -> Path:
+    """One file into the cache, its sha256 checked when it is new (not cached before)."""
     hub = _hub()
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    cached = hub.try_to_load_from_cache(ref.repo, f.path, revision=commit)
     try:
         path = Path(hub.hf_hub_download(ref.repo, f.path, revision=commit, local_files_only=offline))
     except LocalEntryNotFoundError:
@@ -248,9 +239,10 @@ def _download(ref: ModelRef, commit: str, f: HubFile, offline: bool) -> Path:
         if not _transport_error(exc):
             raise
         raise MinillmError(f"downloading {ref.repo}/{f.path} failed: {str(exc).splitlines()[0]}") from None
-    if isinstance(cached, str) or f.sha256 is None:
+    if cached or f.sha256 is None:
         return path
-    actual = _sha256(path)
+    with open(path, "rb") as file:
+        actual = hashlib.file_digest(file, "sha256").hexdigest()
     if actual != f.sha256:
         blob = path.resolve()
         path.unlink(missing_ok=True)
@@ -285,11 +277,12 @@ def fetch(ref: ModelRef, quiet: bool = False, log=None) -> Path:
     parts = split_parts(files, first)
     if quiet:
         hub.utils.disable_progress_bars()
-    if not offline and any(hub.try_to_load_from_cache(ref.repo, p.path, revision=commit) is None for p in parts):
+    cached = [isinstance(hub.try_to_load_from_cache(ref.repo, p.path, revision=commit), str) for p in parts]
+    if not offline and not all(cached):
         size = sum(p.size or 0 for p in parts)
         log(f"downloading {ref.repo}/{first.path}" + (f" ({len(parts)} parts)" if len(parts) > 1 else "")
             + (f", {size / 2**20:.1f} MiB" if size else ""))
-    paths = [_download(ref, commit, p, offline) for p in parts]
+    paths = [_download(ref, commit, p, offline, was_cached) for p, was_cached in zip(parts, cached)]
     for path in paths:
         mark_used(path)
     return paths[0]

@@ -12,24 +12,20 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-_KERNELS = Path(__file__).resolve().parent.parent          # kernels/ (installed as minillm.kernels)
-_PACKAGE = Path(__file__).resolve().parent.parent.parent / "minillm"  # in a checkout; else the installed minillm
 COMPILED_SOURCES = ("cpu/*.py", "arch/*.py", "quality/imatrix.py")  # globbed in kernels/ and minillm/
 
 
-def _package_root() -> Path:
-    try:
-        import minillm
+def _roots() -> tuple[Path, Path]:
+    """kernels/ and minillm/ (kernels/ is installed as minillm.kernels, so minillm is importing it)."""
+    import minillm
 
-        return Path(minillm.__file__).resolve().parent
-    except ImportError:  # pragma: no cover - kernels/ without minillm
-        return _PACKAGE
+    return Path(__file__).resolve().parent.parent, Path(minillm.__file__).resolve().parent
 
 
 def source_digest() -> str:
     """sha256 over the files compiled code comes from (their names and contents)."""
     h = hashlib.sha256()
-    for root in (_KERNELS, _package_root()):
+    for root in _roots():
         for pattern in COMPILED_SOURCES:
             for path in sorted(root.glob(pattern)):
                 h.update(path.name.encode() + b"\0" + path.read_bytes())
@@ -45,7 +41,7 @@ def install() -> bool:
         return False
     if getattr(_SourceFileBackedLocatorMixin, "_minillm_digest", None) is not None:
         return True
-    roots = tuple(str(p) for p in (_KERNELS, _package_root()))
+    roots = tuple(str(p) for p in _roots())
     numba_stamp = _SourceFileBackedLocatorMixin.get_source_stamp
     digest = source_digest()
 
