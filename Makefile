@@ -12,7 +12,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,cuda,server]'
+	$(PY) -m pip install --quiet -e '.[test,cuda,server,cluster]'
 	touch $@
 
 models: install

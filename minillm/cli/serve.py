@@ -3,6 +3,7 @@ Starlette and uvicorn are imported here only, so the other commands start as fas
 from __future__ import annotations
 
 import gc
+import os
 import socket
 import threading
 from pathlib import Path
@@ -28,6 +29,31 @@ def listen(host: str, port: int) -> socket.socket:
     except OSError as exc:
         raise MinillmError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
+
+
+def serve_replicas(settings, replicas: str, sock: socket.socket, ray_address: str | None) -> None:
+    """`serve --replicas`: the same server as replicas on Ray Serve (serving/cluster.py)."""
+    from ..arch import get_architecture
+    from ..gguf_file import GGUFFile
+    from ..model import default_threads
+
+    host, port = sock.getsockname()[:2]
+    sock.close()  # Ray's proxy listens there: the port was checked free (and chosen, for --port 0)
+    for path in (settings.model, settings.draft):
+        if path is not None:  # a file replicas could not load is refused here, not retried by Ray
+            with GGUFFile(path) as gguf:
+                get_architecture(gguf.architecture)(gguf)
+    if ray_address is None:  # a local instance keeps every address on this machine (127.0.0.1)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    try:
+        from ..serving import cluster
+    except ImportError as exc:
+        raise MinillmError(f"serve --replicas needs Ray Serve ({exc.name} is missing): "
+                           "pip install 'minillm[cluster]'") from None
+    count = cluster.ReplicaCount.parse(replicas)
+    threads = settings.threads or max(1, default_threads() // count.high)
+    settings.threads = threads
+    cluster.run(settings, count, threads, host, port, ray_address, log=err)
 
 
 def register(app: typer.Typer) -> None:
@@ -58,6 +84,14 @@ def register(app: typer.Typer) -> None:
         draft_min: int = DRAFT_MIN,
         draft_p_min: float = DRAFT_P_MIN,
         verbose: bool = typer.Option(False, "-v", "--verbose", help="Log every request on stderr."),
+        replicas: Optional[str] = typer.Option(
+            None, "--replicas", metavar="N|MIN:MAX",
+            help="Serve N copies of the model on Ray Serve (pip install 'minillm[cluster]'), requests routed "
+                 "by prompt prefix; MIN:MAX scales with the queue. --threads is then per replica "
+                 "(default: the cores shared out)."),
+        ray_address: Optional[str] = typer.Option(
+            None, "--ray-address", metavar="ADDR",
+            help="With --replicas: join this Ray cluster (several machines) instead of starting Ray here."),
     ):
         """Serve the model over HTTP with OpenAI's API (chat/completions, completions, models)."""
         gc.enable()  # a long-running process (main turns collection off while commands start)
@@ -76,9 +110,12 @@ def register(app: typer.Typer) -> None:
             if path is not None and not path.is_file():
                 raise MinillmError(f"no model file at {path}")
         sock = listen(host, port)
-        state = ServerState(Settings(model, parallel, ctx, batch, max_queue, api_key or None, scheduling, threads,
-                                        (cache_type_k, cache_type_v), int(kv_memory * 2**20) if kv_memory else None,
-                                        draft, dict(draft_max=draft_max, draft_min=draft_min, p_min=draft_p_min)))
+        settings = Settings(model, parallel, ctx, batch, max_queue, api_key or None, scheduling, threads,
+                            (cache_type_k, cache_type_v), int(kv_memory * 2**20) if kv_memory else None,
+                            draft, dict(draft_max=draft_max, draft_min=draft_min, p_min=draft_p_min))
+        if replicas is not None or ray_address is not None:
+            return serve_replicas(settings, replicas or "1", sock, ray_address)
+        state = ServerState(settings)
         config = uvicorn.Config(build_app(state), lifespan="off", log_level="info" if verbose else "warning",
                                 access_log=verbose, timeout_graceful_shutdown=3, timeout_keep_alive=5)
         server = Server(config, state)

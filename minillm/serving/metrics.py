@@ -21,6 +21,15 @@ class Histogram:
         self.sum += value
         self.count += 1
 
+    def merge(self, other: dict) -> None:
+        """Add another histogram's state (`state()`) of the same bounds."""
+        self.counts = [a + b for a, b in zip(self.counts, other["counts"])]
+        self.sum += other["sum"]
+        self.count += other["count"]
+
+    def state(self) -> dict:
+        return {"counts": list(self.counts), "sum": self.sum, "count": self.count}
+
     def lines(self, name: str) -> list[str]:
         out, running = [], 0
         for bound, n in zip(self.bounds, self.counts):
@@ -62,8 +71,20 @@ class Metrics:
         with self._lock:
             self.gap.observe(seconds)
 
-    def render(self, running: int, queued: int) -> str:
-        """Prometheus's text exposition format."""
+    def state(self) -> dict:
+        """The counters and histograms as plain data (what a replica reports, `merge` adds up)."""
+        with self._lock:
+            return {"counts": dict(self.counts), "ttft": self.ttft.state(), "gap": self.gap.state()}
+
+    def merge(self, state: dict) -> None:
+        with self._lock:
+            for name, n in state["counts"].items():
+                self.counts[name] += n
+            self.ttft.merge(state["ttft"])
+            self.gap.merge(state["gap"])
+
+    def render(self, running: int, queued: int, extra: tuple[tuple[str, str, int], ...] = ()) -> str:
+        """Prometheus's text exposition format; extra: more gauges, (name, help, value)."""
         lines = []
 
         def metric(name: str, kind: str, help_text: str, values: list[str]) -> None:
@@ -73,6 +94,8 @@ class Metrics:
         with self._lock:
             metric("requests_running", "gauge", "Requests decoding now.", [f"requests_running {running}"])
             metric("requests_queued", "gauge", "Requests waiting for a slot.", [f"requests_queued {queued}"])
+            for name, help_text, value in extra:
+                metric(name, "gauge", help_text, [f"{name} {value}"])
             for name, help_text in COUNTERS.items():
                 metric(f"{name}_total", "counter", help_text, [f"{name}_total {self.counts[name]}"])
             metric("time_to_first_token_seconds", "histogram", "From a request's arrival to its first token.",

@@ -341,6 +341,11 @@ class Scheduler:
             self._thread = threading.Thread(target=self._loop, name="minillm-scheduler", daemon=True)
             self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the background thread is stepping (or waiting for work)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self) -> None:
         with self._lock:
             self._stop = True
