@@ -5,6 +5,7 @@ measured against. Reports aggregate generated tokens/s, time to first token and 
 a stream's tokens (p50/p99). Every client sends its own prompt, the same for every server.
 
     python -m minillm.cli.bench_serve MODEL [--llama-server PATH] [--levels 1,4,8,16] [--out FILE]
+    python -m minillm.cli.bench_serve MODEL --replicas 2 -t 1 [--levels 16]   (Ray Serve scaling)
 """
 from __future__ import annotations
 
@@ -114,11 +115,14 @@ def wait_healthy(proc: subprocess.Popen, port: int) -> None:
     raise RuntimeError("the server did not become healthy")
 
 
-def start_server(kind: str, model: str, n: int, threads: int, llama_server: str | None) -> tuple:
+def start_server(kind: str, model: str, n: int, threads: int, llama_server: str | None, replicas: int = 0) -> tuple:
     port = free_port()
     if kind == "minillm":
         cmd = [sys.executable, "-m", "minillm", "serve", model, "--port", str(port), "--parallel", str(n),
                "--ctx", str(CTX_PER_SLOT), "--threads", str(threads)]
+        if replicas:  # on Ray Serve, the clients shared out over the replicas
+            cmd[cmd.index("--parallel") + 1] = str(-(-n // replicas))
+            cmd += ["--replicas", str(replicas)]
     else:
         cmd = [llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(n),
                "-c", str(n * CTX_PER_SLOT), "-t", str(threads), "-tb", str(threads)]
@@ -149,6 +153,26 @@ def bench(model: str, levels: list[int], n_gen: int, threads: int, llama_server:
     return out
 
 
+def bench_replicas(model: str, levels: list[int], n_gen: int, threads: int, replicas: int) -> dict:
+    """`serve --replicas 1` against `--replicas N`, `threads` each: how aggregate tokens/s scales."""
+    out = {"model": os.path.basename(model), "threads_per_replica": threads, "n_gen": n_gen, "levels": []}
+    for n in levels:
+        row = {"clients": n}
+        for count in (1, replicas):
+            proc, port = start_server("minillm", model, n, threads, None, replicas=count)
+            try:
+                stream_one(port, request_body(99, 8))
+                row[f"replicas_{count}"] = run_level(port, n, n_gen)
+            finally:
+                proc.terminate()
+                proc.wait(60)
+        row["scaling"] = row[f"replicas_{replicas}"]["tokens_per_s"] / row["replicas_1"]["tokens_per_s"]
+        out["levels"].append(row)
+        print(f"{n:>2} clients  1 replica {row['replicas_1']['tokens_per_s']:7.1f} tok/s  {replicas} replicas "
+              f"{row[f'replicas_{replicas}']['tokens_per_s']:7.1f} tok/s  ({row['scaling']:.2f}x)", file=sys.stderr)
+    return out
+
+
 def print_row(row: dict, file=sys.stdout) -> None:
     def cells(r: dict) -> str:
         return (f"{r['tokens_per_s']:7.1f} tok/s  ttft {r['ttft_p50_ms']:6.0f}/{r['ttft_p99_ms']:6.0f} ms  "
@@ -167,11 +191,17 @@ def main() -> None:
     parser.add_argument("--levels", default="1,4,8,16")
     parser.add_argument("-n", "--n-gen", type=int, default=128)
     parser.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--replicas", type=int, default=0,
+                        help="instead: serve --replicas 1 against --replicas N (-t threads each), on Ray Serve")
     parser.add_argument("--out", help="also write the results as JSON")
     args = parser.parse_args()
     if not re.fullmatch(r"\d+(,\d+)*", args.levels):
         parser.error("--levels: counts separated by commas")
-    result = bench(args.model, [int(v) for v in args.levels.split(",")], args.n_gen, args.threads, args.llama_server)
+    levels = [int(v) for v in args.levels.split(",")]
+    if args.replicas:
+        result = bench_replicas(args.model, levels, args.n_gen, args.threads, args.replicas)
+    else:
+        result = bench(args.model, levels, args.n_gen, args.threads, args.llama_server)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

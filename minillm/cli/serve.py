@@ -31,7 +31,7 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_replicas(settings, replicas: str, sock: socket.socket, ray_address: str | None) -> None:
+def serve_replicas(settings, replicas: str, sock: socket.socket, ray_address: str | None, verbose: bool) -> None:
     """`serve --replicas`: the same server as replicas on Ray Serve (serving/cluster.py)."""
     from ..arch import get_architecture
     from ..gguf_file import GGUFFile
@@ -43,8 +43,9 @@ def serve_replicas(settings, replicas: str, sock: socket.socket, ray_address: st
         if path is not None:  # a file replicas could not load is refused here, not retried by Ray
             with GGUFFile(path) as gguf:
                 get_architecture(gguf.architecture)(gguf)
-    if ray_address is None:  # a local instance keeps every address on this machine (127.0.0.1)
+    if ray_address is None:  # a local Ray: every address on this machine (127.0.0.1), a token required
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     try:
         from ..serving import cluster
     except ImportError as exc:
@@ -53,7 +54,7 @@ def serve_replicas(settings, replicas: str, sock: socket.socket, ray_address: st
     count = cluster.ReplicaCount.parse(replicas)
     threads = settings.threads or max(1, default_threads() // count.high)
     settings.threads = threads
-    cluster.run(settings, count, threads, host, port, ray_address, log=err)
+    cluster.run(settings, count, threads, host, port, ray_address, log=err, verbose=verbose)
 
 
 def register(app: typer.Typer) -> None:
@@ -114,7 +115,7 @@ def register(app: typer.Typer) -> None:
                             (cache_type_k, cache_type_v), int(kv_memory * 2**20) if kv_memory else None,
                             draft, dict(draft_max=draft_max, draft_min=draft_min, p_min=draft_p_min))
         if replicas is not None or ray_address is not None:
-            return serve_replicas(settings, replicas or "1", sock, ray_address)
+            return serve_replicas(settings, replicas or "1", sock, ray_address, verbose)
         state = ServerState(settings)
         config = uvicorn.Config(build_app(state), lifespan="off", log_level="info" if verbose else "warning",
                                 access_log=verbose, timeout_graceful_shutdown=3, timeout_keep_alive=5)

@@ -76,6 +76,7 @@ class ServerState:
                 draft.warm_up()
             self.scheduler = model.scheduler(s.parallel, s.ctx, s.batch, policy=s.scheduling, kv_memory=s.kv_memory,
                                              draft=draft, speculation=s.speculation)
+            warm_up(self.scheduler)
             self.scheduler.start()
             self.model = model
         except Exception as exc:  # noqa: BLE001 (reported to the command, which exits 1)
@@ -105,6 +106,17 @@ class ServerState:
         if self.status != "ok":
             raise ApiError(503, "the server is stopping", headers={"Retry-After": str(RETRY_AFTER_S)})
         return self.scheduler
+
+
+def warm_up(scheduler) -> None:
+    """Two short chat requests decoded together: the batched code paths and the chat template are
+    ready before /health says ok (a first real batch would otherwise wait about 2 s for them)."""
+    from .batch_input import make_request
+
+    chat = {"messages": [{"role": "user", "content": "Hello."}]}
+    n = min(2, len(scheduler.slots))
+    scheduler.run([scheduler.submit(make_request(chat, 4, SamplingParams(temperature=0), ignore_eos=True))
+                   for _ in range(n)])
 
 
 class Server(uvicorn.Server):

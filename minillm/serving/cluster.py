@@ -294,15 +294,20 @@ def application(settings: Settings, count: ReplicaCount, threads: int):
 
 
 def run(settings: Settings, count: ReplicaCount, threads: int, host: str, port: int, ray_address: str | None,
-        log) -> None:
+        log, verbose: bool = False) -> None:
     """Start Ray (or join ADDRESS), deploy, serve until SIGINT/SIGTERM or until the application is
-    deleted from outside (`serve shutdown`), then take everything down."""
+    deleted from outside (`serve shutdown`), then take everything down. The replicas' and Ray's
+    logs reach stderr with verbose; else they stay in Ray's log folder (/tmp/ray/session_latest)."""
     local = ray_address is None
-    if local:
-        cpus = max(os.cpu_count() or 1, count.high * threads)
-        ray.init(num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
-    else:
-        ray.init(address=ray_address, logging_level="WARNING")
+    try:
+        if local:
+            ray.init(num_cpus=max(os.cpu_count() or 1, count.high * threads), include_dashboard=False,
+                     logging_level="WARNING", log_to_driver=verbose)
+        else:
+            ray.init(address=ray_address, logging_level="WARNING", log_to_driver=verbose)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise MinillmError(f"cannot {'start Ray' if local else f'join the Ray cluster at {ray_address}'}: "
+                           f"{exc}") from None
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

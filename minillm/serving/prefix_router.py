@@ -1,7 +1,7 @@
 """Prefix-aware routing for `serve --replicas`: a request goes to the replica that already holds
 the KV cells of the longest start of its prompt, unless that replica is busier than the least
 busy one by more than `slack` requests; then, and for prompts no replica has seen, the least busy
-replica takes it.
+replica takes it (busy: requests sent and not finished).
 
 A prompt's text is cut into BLOCK-character blocks and each block's hash covers everything before
 it (as a paged KV cache's block hashes do), so "replica r holds the first k blocks" is k lookups
@@ -81,44 +81,62 @@ def request_blocks(pending: PendingRequest | None) -> tuple[bytes, ...]:
 
 
 class PrefixRouter(RequestRouter):
-    """Ray Serve's request router for the model replicas (see the module's docstring)."""
+    """Ray Serve's request router for the model replicas (see the module's docstring). Load is
+    the requests this router has sent a replica and not yet seen finish: exact with one gateway."""
 
     def initialize_state(self, slack: int = 2, **kwargs) -> None:
         self.slack = slack
         self.tables: dict[ReplicaID, PrefixTable] = {}
-
-    def _load(self, replica: RunningReplica) -> int | None:
-        return self._replica_queue_len_cache.get(replica.replica_id)
+        self.in_flight: dict[ReplicaID, int] = {}
+        self.sent: dict[str, ReplicaID] = {}  # internal request id -> replica, until it finishes
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        """Ranks: [the replica holding the longest prefix] when it is not too busy, then all, of
-        which Ray takes the least busy one whose queue is not full."""
+        """Ranks, one replica each: the one holding the longest prefix when it is not too busy,
+        then the rest from the least busy (ties in random order). Ray takes the first whose
+        queue is not full."""
+        load = {r.replica_id: self.in_flight.get(r.replica_id, 0) for r in candidate_replicas}
+        ranked = sorted(random.sample(candidate_replicas, len(candidate_replicas)), key=lambda r: load[r.replica_id])
         blocks = request_blocks(pending_request)
-        everyone = random.sample(candidate_replicas, len(candidate_replicas))  # equally busy: any of them
-        if not blocks or len(everyone) < 2:
-            return [everyone]
-        matched = {r.replica_id: self.tables.get(r.replica_id, PrefixTable()).matched(blocks)
-                   for r in candidate_replicas}
-        best = max(candidate_replicas, key=lambda r: matched[r.replica_id])
-        if matched[best.replica_id] == 0:
-            return [everyone]
-        best_load = self._load(best)
-        known = [load for r in everyone if (load := self._load(r)) is not None]
-        if best_load is not None and best_load - min(known) > self.slack:
-            return [everyone]
-        return [[best], everyone]
+        if blocks and len(ranked) > 1:
+            matched = {r.replica_id: self.tables[r.replica_id].matched(blocks) if r.replica_id in self.tables else 0
+                       for r in ranked}
+            best = max(ranked, key=lambda r: matched[r.replica_id])
+            if matched[best.replica_id] and load[best.replica_id] - load[ranked[0].replica_id] <= self.slack:
+                ranked.remove(best)
+                ranked.insert(0, best)
+        if pending_request is not None and ranked:  # counted now: requests routed at once see each other
+            self._assign(pending_request.metadata.internal_request_id, ranked[0].replica_id)
+        return [[r] for r in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        self._assign(pending_request.metadata.internal_request_id, replica_id)
         blocks = request_blocks(pending_request)
         if blocks:
             self.tables.setdefault(replica_id, PrefixTable()).add(blocks)
 
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._assign(internal_request_id, None)
+
+    def _assign(self, request: str, replica_id: ReplicaID | None) -> None:
+        """Count the request on replica_id (None: on none any more), off where it was counted."""
+        before = self.sent.pop(request, None)
+        if before in self.in_flight:
+            self.in_flight[before] -= 1
+        if replica_id is not None:
+            self.sent[request] = replica_id
+            self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
+
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self.tables.pop(replica_id, None)
+        self._forget(replica_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        for gone in set(self.tables) - {r.replica_id for r in replicas}:
-            del self.tables[gone]
+        for gone in (set(self.tables) | set(self.in_flight)) - {r.replica_id for r in replicas}:
+            self._forget(gone)
+
+    def _forget(self, replica_id: ReplicaID) -> None:
+        self.tables.pop(replica_id, None)
+        self.in_flight.pop(replica_id, None)
+        self.sent = {request: replica for request, replica in self.sent.items() if replica != replica_id}
