@@ -5,6 +5,8 @@ router's choices are also tested alone, without Ray."""
 import concurrent.futures
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import openai
@@ -16,6 +18,7 @@ from test_server import KEY, LiveServer, chat_request, run
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 REPLICAS = ("--replicas", "2", "--threads", "1", "--parallel", "4", "--ctx", "1024", "--api-key", KEY)
+RAY_LOCAL = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}  # as serve sets for its own Ray
 SYSTEM = ("You are a careful assistant who answers in one short sentence, plainly, and never adds a "
           "greeting or a question of your own.")
 
@@ -173,6 +176,45 @@ def test_sigterm_ends_streams_and_leaves_nothing_running(cluster):
     assert "minillm serve: stopped" in "".join(cluster.stderr)
 
 
+def test_autoscaling_and_a_shutdown_from_outside():
+    live = LiveServer("--replicas", "1:2", "--threads", "1", "--parallel", "2", "--ctx", "512")
+    try:
+        assert len(replicas_live(live)) == 1
+        client = live.client(max_retries=0, timeout=120)
+
+        def long_request(i):
+            try:
+                return client.completions.create(model="x", prompt=f"Story {i}:", max_tokens=400,
+                                                 extra_body={"ignore_eos": True}).usage.completion_tokens
+            except openai.APIError as exc:  # the ones still running when the application goes
+                return exc
+
+        # 12 requests for 2 slots: the queue holds for seconds, and Ray adds the second replica
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            answers = [pool.submit(long_request, i) for i in range(12)]
+            deadline = time.monotonic() + 120
+            while len(replicas_live(live)) < 2:
+                assert time.monotonic() < deadline, "no second replica within 120 s"
+                time.sleep(0.5)
+            processes = descendants(live.proc.pid)
+            # `serve shutdown` (or serve.delete) from another Ray client ends the command
+            outside = subprocess.run(
+                [sys.executable, "-c", "import ray; from ray import serve; ray.init(address='auto'); "
+                 "serve.delete('minillm')"], env=dict(os.environ, **RAY_LOCAL), capture_output=True, text=True,
+                timeout=120)
+            assert outside.returncode == 0, outside.stderr
+            assert live.proc.wait(60) == 0
+            assert all(a.result(timeout=60) == 400 or isinstance(a.result(), openai.APIError) for a in answers)
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in processes if alive(p)]
+        assert "the application was shut down from outside" in "".join(live.stderr)
+    finally:
+        if live.proc.poll() is None:
+            live.stop(timeout=60)
+
+
 # -- the router alone -------------------------------------------------------------------------
 @pytest.mark.parametrize("body, text", [
     ({"messages": [{"role": "user", "content": "hi"}]}, "\x00user\x00hi"),
@@ -183,3 +225,62 @@ def test_prompt_text(body, text):
     from minillm.serving.prefix_router import prompt_text
 
     assert prompt_text(body) == text
+
+
+def test_prefix_blocks_chain_the_text_before_them():
+    from minillm.serving.prefix_router import BLOCK, prefix_blocks
+
+    text = "".join(chr(65 + i % 26) for i in range(5 * BLOCK + 10))
+    blocks = prefix_blocks(text)
+    assert len(blocks) == 5 and prefix_blocks(text[:3 * BLOCK]) == blocks[:3]
+    changed = prefix_blocks("x" + text[1:])
+    assert all(a != b for a, b in zip(blocks, changed))  # a change in block 0 changes every later hash
+    assert prefix_blocks("short") == ()
+
+
+class FakeReplica:
+    def __init__(self, name):
+        self.replica_id = name
+
+
+class FakePending:
+    def __init__(self, request_id, text=""):
+        from minillm.serving.prefix_router import prefix_blocks
+
+        self.args = (type("Forwarded", (), {"prefix": prefix_blocks(text)})(),)
+        self.metadata = type("Metadata", (), {"internal_request_id": request_id})()
+
+
+def test_the_router_prefers_the_prefix_holder_unless_it_is_too_busy():
+    import asyncio
+
+    from minillm.serving.prefix_router import PrefixRouter
+
+    router = object.__new__(PrefixRouter)  # its state alone: no Ray
+    router.initialize_state(slack=2)
+    a, b = FakeReplica("a"), FakeReplica("b")
+    conversation = "You are a helpful assistant who answers briefly. " * 4
+
+    def route(request_id, text="", to=None):
+        pending = FakePending(request_id, text)
+        ranks = asyncio.run(router.choose_replicas([a, b], pending))
+        assert all(len(rank) == 1 for rank in ranks) and {r[0] for r in ranks} == {a, b}
+        chosen = to or ranks[0][0]
+        router.on_request_routed(pending, chosen.replica_id, None)
+        return ranks[0][0]
+
+    first = route("r0", conversation)
+    other = b if first is a else a
+    assert route("r1", conversation + " A follow-up.") is first  # holds the prefix; 1 busier: within slack
+    assert route("r2", "an unrelated prompt " * 5) is other      # no prefix held: the least busy
+    assert route("r3", conversation) is first                    # 2 against 1
+    router.on_request_completed(other.replica_id, "r2")
+    route("r4", conversation, to=first)                          # Ray placed it there: 4 against 0
+    assert route("r5", conversation) is other                    # too busy for its prefix: the least busy
+    for request in ("r0", "r1", "r3", "r4"):
+        router.on_request_completed(first.replica_id, request)
+    assert router.in_flight == {first.replica_id: 0, other.replica_id: 1}
+    least = {asyncio.run(router.choose_replicas([a, b], None))[0][0] for _ in range(20)}
+    assert least == {first} and router.in_flight[other.replica_id] == 1  # None: no request counted
+    router.on_request_completed(other.replica_id, "r5")
+    assert {asyncio.run(router.choose_replicas([a, b], None))[0][0] for _ in range(40)} == {a, b}  # ties: either

@@ -42,6 +42,9 @@ REPORT_EVERY_S = 1.0
 STALE_AFTER_S = 5.0      # a replica silent this long is not counted as live
 STOP_WAIT_S = 5.0        # at shutdown, how long streams get to end with their finish reason
 QUIET = {"log_level": "WARNING", "enable_access_log": False}
+# Ray Serve's policy, quicker than its defaults (30 s, 30 s, 600 s): a generation queue that builds
+# for seconds is real demand, and a model loads in seconds
+AUTOSCALING = {"look_back_period_s": 10, "upscale_delay_s": 5, "downscale_delay_s": 120}
 
 
 @dataclass
@@ -279,7 +282,8 @@ def application(settings: Settings, count: ReplicaCount, threads: int):
                              ray_actor_options={"num_cpus": 0}).bind()
     scale = ({"num_replicas": count.low} if count.low == count.high else
              {"autoscaling_config": {"min_replicas": count.low, "max_replicas": count.high,
-                                     "initial_replicas": count.low, "target_ongoing_requests": settings.parallel}})
+                                     "initial_replicas": count.low, "target_ongoing_requests": settings.parallel,
+                                     **AUTOSCALING}})
     replicas = serve.deployment(
         Replica, name="Replica", **scale, logging_config=QUIET,
         max_ongoing_requests=2 * settings.parallel,  # a slot's next request waits in its replica, not in Ray
