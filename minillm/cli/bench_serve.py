@@ -56,14 +56,29 @@ def stream_one(port: int, body: dict) -> dict:
     return {"start": t0, "times": times, "tokens": n_tokens or len(times)}
 
 
-def run_level(port: int, n: int, n_gen: int) -> dict:
-    """n clients at once; aggregate tokens/s over the whole round, latency percentiles."""
+def whole_one(port: int, body: dict) -> dict:
+    """One request answered whole: its token count, the time it took."""
+    body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    answer = response.read()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {answer[:300]!r}")
+    conn.close()
+    return {"start": t0, "times": [time.perf_counter()], "tokens": json.loads(answer)["usage"]["completion_tokens"]}
+
+
+def run_level(port: int, n: int, n_gen: int, stream: bool = True) -> dict:
+    """n clients at once; aggregate tokens/s over the whole round, latency percentiles (streams)."""
     results: list = [None] * n
     barrier = threading.Barrier(n)
+    one = stream_one if stream else whole_one
 
     def client(i: int) -> None:
         barrier.wait()
-        results[i] = stream_one(port, request_body(i, n_gen))
+        results[i] = one(port, request_body(i, n_gen))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     for t in threads:
@@ -72,11 +87,13 @@ def run_level(port: int, n: int, n_gen: int) -> dict:
         t.join()
     start = min(r["start"] for r in results)
     end = max(r["times"][-1] for r in results)
+    out = {"clients": n, "tokens_per_s": sum(r["tokens"] for r in results) / (end - start)}
+    if not stream:
+        return out
     ttft = [r["times"][0] - r["start"] for r in results]
     gaps = np.concatenate([np.diff(r["times"]) for r in results])
-    return {"clients": n, "tokens_per_s": sum(r["tokens"] for r in results) / (end - start),
-            "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)), "ttft_p99_ms": 1e3 * float(np.percentile(ttft, 99)),
-            "gap_p50_ms": 1e3 * float(np.percentile(gaps, 50)), "gap_p99_ms": 1e3 * float(np.percentile(gaps, 99))}
+    return out | {"ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)), "ttft_p99_ms": 1e3 * float(np.percentile(ttft, 99)),
+                  "gap_p50_ms": 1e3 * float(np.percentile(gaps, 50)), "gap_p99_ms": 1e3 * float(np.percentile(gaps, 99))}
 
 
 def in_process(model, n: int, n_gen: int) -> float:
@@ -154,22 +171,26 @@ def bench(model: str, levels: list[int], n_gen: int, threads: int, llama_server:
 
 
 def bench_replicas(model: str, levels: list[int], n_gen: int, threads: int, replicas: int) -> dict:
-    """`serve --replicas 1` against `--replicas N`, `threads` each: how aggregate tokens/s scales."""
+    """`serve --replicas 1` against `--replicas N`, `threads` each, streamed and whole answers:
+    how aggregate tokens/s scales. Each server answers a warm-up round of n requests first."""
     out = {"model": os.path.basename(model), "threads_per_replica": threads, "n_gen": n_gen, "levels": []}
     for n in levels:
         row = {"clients": n}
         for count in (1, replicas):
             proc, port = start_server("minillm", model, n, threads, None, replicas=count)
             try:
-                stream_one(port, request_body(99, 8))
-                row[f"replicas_{count}"] = run_level(port, n, n_gen)
+                run_level(port, n, 8, stream=False)
+                row[f"replicas_{count}"] = {kind: run_level(port, n, n_gen, stream=kind == "streamed")
+                                            for kind in ("streamed", "whole")}
             finally:
                 proc.terminate()
                 proc.wait(60)
-        row["scaling"] = row[f"replicas_{replicas}"]["tokens_per_s"] / row["replicas_1"]["tokens_per_s"]
+        for kind in ("streamed", "whole"):
+            one, many = row["replicas_1"][kind]["tokens_per_s"], row[f"replicas_{replicas}"][kind]["tokens_per_s"]
+            row[f"scaling_{kind}"] = many / one
+            print(f"{n:>2} clients, {kind:>8}: 1 replica {one:7.1f} tok/s, {replicas} replicas {many:7.1f} tok/s "
+                  f"({many / one:.2f}x)", file=sys.stderr)
         out["levels"].append(row)
-        print(f"{n:>2} clients  1 replica {row['replicas_1']['tokens_per_s']:7.1f} tok/s  {replicas} replicas "
-              f"{row[f'replicas_{replicas}']['tokens_per_s']:7.1f} tok/s  ({row['scaling']:.2f}x)", file=sys.stderr)
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+import tempfile
 import threading
 from pathlib import Path
 from typing import Optional
@@ -36,6 +37,7 @@ def serve_replicas(settings, replicas: str, sock: socket.socket, ray_address: st
     from ..arch import get_architecture
     from ..gguf_file import GGUFFile
     from ..model import default_threads
+    from ..serving.ray_env import local_ray_environment
 
     host, port = sock.getsockname()[:2]
     sock.close()  # Ray's proxy listens there: the port was checked free (and chosen, for --port 0)
@@ -43,18 +45,19 @@ def serve_replicas(settings, replicas: str, sock: socket.socket, ray_address: st
         if path is not None:  # a file replicas could not load is refused here, not retried by Ray
             with GGUFFile(path) as gguf:
                 get_architecture(gguf.architecture)(gguf)
-    if ray_address is None:  # a local Ray: every address on this machine (127.0.0.1), a token required
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
-    try:
-        from ..serving import cluster
-    except ImportError as exc:
-        raise MinillmError(f"serve --replicas needs Ray Serve ({exc.name} is missing): "
-                           "pip install 'minillm[cluster]'") from None
-    count = cluster.ReplicaCount.parse(replicas)
-    threads = settings.threads or max(1, default_threads() // count.high)
-    settings.threads = threads
-    cluster.run(settings, count, threads, host, port, ray_address, log=err, verbose=verbose)
+    with tempfile.TemporaryDirectory(prefix="minillm-ray-") as scratch:
+        if ray_address is None:  # before Ray is imported: it reads them then
+            for name, value in local_ray_environment(scratch).items():
+                os.environ.setdefault(name, value)
+        try:
+            from ..serving import cluster
+        except ImportError as exc:
+            raise MinillmError(f"serve --replicas needs Ray Serve ({exc.name} is missing): "
+                               "pip install 'minillm[cluster]'") from None
+        count = cluster.ReplicaCount.parse(replicas)
+        threads = settings.threads or max(1, default_threads() // count.high)
+        settings.threads = threads
+        cluster.run(settings, count, threads, host, port, ray_address, log=err, verbose=verbose)
 
 
 def register(app: typer.Typer) -> None:

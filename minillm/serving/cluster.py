@@ -316,7 +316,7 @@ def run(settings: Settings, count: ReplicaCount, threads: int, host: str, port: 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    board = None
+    deployed = False
     try:
         serve.start(http_options={"host": host, "port": port}, logging_config=QUIET)
         log(f"minillm serve: starting {count.low} replica{'s' * (count.low > 1)} of {settings.model.name} "
@@ -325,31 +325,35 @@ def run(settings: Settings, count: ReplicaCount, threads: int, host: str, port: 
             serve.run(application(settings, count, threads), name=APP, route_prefix="/", logging_config=QUIET)
         except Exception as exc:  # noqa: BLE001 (Serve reports a replica that cannot start this way)
             raise MinillmError(f"the replicas could not start: {exc}") from None
-        board = serve.get_deployment_handle("Board", APP)
+        deployed = True
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
         log(f"minillm serve: ready: {url}, {count.low}{f' to {count.high}' * (count.high > count.low)} replicas, "
             f"{settings.parallel} sequences at once each")
         while not stop.wait(1.0):
             if APP not in serve.status().applications:
                 log("minillm serve: the application was shut down from outside")
-                board = None
+                deployed = False
                 break
     finally:
-        _take_down(local, board)
+        _take_down(local, deployed)
     log("minillm serve: stopped")
 
 
-def _take_down(local: bool, board) -> None:
+def _take_down(local: bool, deployed: bool) -> None:
     """End every request (streams get finish_reason "abort"), remove the application (and a
     local Serve), stop Ray here. A terminal's Ctrl-C also reaches a local Ray's own processes,
     so the polite part has a deadline, then Ray's processes are ended regardless."""
+    async def end_requests():  # in a loop of its own: Ray's fast mode routes handles in the caller's loop
+        board = serve.get_deployment_handle("Board", APP)
+        await board.stop.remote()
+        deadline = time.monotonic() + STOP_WAIT_S
+        while time.monotonic() < deadline and any(
+                r["running"] or r["queued"] or r["status"] == "ok" for r in await board.live.remote()):
+            await asyncio.sleep(0.2)
+
     def polite():
-        if board is not None:
-            board.stop.remote().result(timeout_s=STOP_WAIT_S)
-            deadline = time.monotonic() + STOP_WAIT_S
-            while time.monotonic() < deadline and any(
-                    r["running"] or r["queued"] or r["status"] == "ok" for r in board.live.remote().result()):
-                time.sleep(0.2)
+        if deployed:
+            asyncio.run(end_requests())
         if local:
             serve.shutdown()
         elif APP in serve.status().applications:
@@ -365,6 +369,6 @@ def _quietly(work):
     def run():
         try:
             work()
-        except Exception:  # noqa: BLE001 (Ray is going anyway: ray.shutdown follows)
-            pass
+        except Exception as exc:  # noqa: BLE001 (Ray is going anyway: ray.shutdown follows)
+            print(f"minillm serve: stopping: {type(exc).__name__}: {exc}", file=sys.stderr)
     return run
