@@ -133,12 +133,12 @@ def wait_healthy(proc: subprocess.Popen, port: int) -> None:
 
 
 def start_server(kind: str, model: str, n: int, threads: int, llama_server: str | None, replicas: int = 0) -> tuple:
+    """The server with n slots (per replica, with replicas), listening on a free port."""
     port = free_port()
     if kind == "minillm":
         cmd = [sys.executable, "-m", "minillm", "serve", model, "--port", str(port), "--parallel", str(n),
                "--ctx", str(CTX_PER_SLOT), "--threads", str(threads)]
-        if replicas:  # on Ray Serve, the clients shared out over the replicas
-            cmd[cmd.index("--parallel") + 1] = str(-(-n // replicas))
+        if replicas:  # on Ray Serve
             cmd += ["--replicas", str(replicas)]
     else:
         cmd = [llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(n),
@@ -171,13 +171,14 @@ def bench(model: str, levels: list[int], n_gen: int, threads: int, llama_server:
 
 
 def bench_replicas(model: str, levels: list[int], n_gen: int, threads: int, replicas: int) -> dict:
-    """`serve --replicas 1` against `--replicas N`, `threads` each, streamed and whole answers:
-    how aggregate tokens/s scales. Each server answers a warm-up round of n requests first."""
+    """`serve --replicas 1` against `--replicas N` with the same flags (`threads` each, slots for
+    n / N clients each), streamed and whole answers: how aggregate tokens/s scales with replicas.
+    Each server answers a warm-up round of n requests first."""
     out = {"model": os.path.basename(model), "threads_per_replica": threads, "n_gen": n_gen, "levels": []}
     for n in levels:
-        row = {"clients": n}
+        row = {"clients": n, "parallel_per_replica": -(-n // replicas)}
         for count in (1, replicas):
-            proc, port = start_server("minillm", model, n, threads, None, replicas=count)
+            proc, port = start_server("minillm", model, row["parallel_per_replica"], threads, None, replicas=count)
             try:
                 run_level(port, n, 8, stream=False)
                 row[f"replicas_{count}"] = {kind: run_level(port, n, n_gen, stream=kind == "streamed")

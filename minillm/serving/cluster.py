@@ -287,7 +287,7 @@ def application(settings: Settings, count: ReplicaCount, threads: int):
     replicas = serve.deployment(
         Replica, name="Replica", **scale, logging_config=QUIET,
         max_ongoing_requests=2 * settings.parallel,  # a slot's next request waits in its replica, not in Ray
-        max_queued_requests=settings.max_queue if settings.max_queue else -1,
+        max_queued_requests=max(settings.max_queue, 1),
         ray_actor_options={"num_cpus": threads}, health_check_period_s=2, health_check_timeout_s=30,
         graceful_shutdown_timeout_s=STOP_WAIT_S,
         request_router_config=RequestRouterConfig(request_router_class=PrefixRouter),
