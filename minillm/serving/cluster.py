@@ -188,11 +188,12 @@ class Gateway:
         return app
 
     async def asgi(self, scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+        if scope["type"] == "lifespan":  # nothing to start or stop
+            while True:
+                phase = (await receive())["type"].removeprefix("lifespan.")
+                await send({"type": f"lifespan.{phase}.complete"})
+                if phase == "shutdown":
+                    return
         path, method = scope["path"], scope["method"]
         try:
             if path == "/health" and method == "GET":
@@ -218,13 +219,11 @@ class Gateway:
             parsed = None  # the replica answers it with the right error
         request = Forwarded(scope["method"], scope["path"], scope.get("query_string", b""),
                             list(scope.get("headers", [])), body, prefix_blocks(prompt_text(parsed)))
-        for attempt in range(2):
-            started = await self._relay(request, scope, send, retry=attempt == 0)
-            if started is not None:
-                return
+        if not await self._relay(request, scope, send, retry=True):
+            await self._relay(request, scope, send, retry=False)
 
-    async def _relay(self, request: Forwarded, scope, send, retry: bool) -> bool | None:
-        """Send the request to a replica and its answer to the client. None: the replica died
+    async def _relay(self, request: Forwarded, scope, send, retry: bool) -> bool:
+        """Send the request to a replica and its answer to the client. False: the replica died
         before it answered anything, so the request can go to another (when retry)."""
         response = self.replicas.options(stream=True).handle.remote(request)
         started = False
@@ -240,11 +239,13 @@ class Gateway:
         except BackPressureError:
             error = ApiError(503, "every replica's queue is full; retry shortly",
                              headers={"Retry-After": str(RETRY_AFTER_S)})
-        except (ActorDiedError, ActorUnavailableError, RayError) as exc:
+        except (ActorDiedError, ActorUnavailableError) as exc:
             if retry and not started:
-                return None
+                return False
             error = ApiError(503, f"the replica answering this request stopped ({type(exc).__name__})",
                              headers={"Retry-After": str(RETRY_AFTER_S)})
+        except RayError as exc:  # a bug in the replica: its log has the traceback
+            error = ApiError(500, f"internal error: {type(exc).__name__}")
         if not started:
             await error_response(error)(scope, None, send)
         else:  # a stream had begun: one error event ends it, as the single server does
