@@ -36,6 +36,17 @@ def replicas_live(cluster) -> list[dict]:
     return body["replicas"] if status == 200 else []
 
 
+def wait_replicas(cluster, n: int, timeout: float = 60, gone: str | None = None) -> list[dict]:
+    """The live replicas once n of them (none of them `gone`) report status ok."""
+    deadline = time.monotonic() + timeout
+    while True:
+        live = replicas_live(cluster)
+        if len(live) == n and all(r["status"] == "ok" and r["id"] != gone for r in live):
+            return live
+        assert time.monotonic() < deadline, f"not {n} replicas ready within {timeout} s: {live}"
+        time.sleep(0.5)
+
+
 def raw(client, body: dict, stream: bool = False):
     """(text, replica id) of one request, through the client's raw-response interface."""
     chat = "messages" in body
@@ -62,8 +73,8 @@ def test_replicas_answer_as_the_single_server(cluster):
                                  {"Authorization": f"Bearer {KEY}"})
     finally:
         assert single.stop() == 0
-    health = replicas_live(cluster)
-    assert len(health) == 2 and all(r["status"] == "ok" and r["slots"] == 4 for r in health)
+    health = wait_replicas(cluster, 2)
+    assert all(r["slots"] == 4 for r in health), health
     client = cluster.client()
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         got = list(pool.map(lambda ib: (run(client, ib[1], stream=ib[0] % 2 == 1)), enumerate(bodies)))
@@ -76,8 +87,9 @@ def test_replicas_answer_as_the_single_server(cluster):
         cluster.client(key="wrong", max_retries=0).completions.create(model="x", prompt="Hi", max_tokens=2)
     assert cluster.request("GET", "/metrics")[0] == 401
     # /metrics adds up the replicas' reports: 8 more requests of 5 tokens each are 40 more tokens
-    before = cluster.wait_for(lambda m: m["minillm_requests_finished_total"] >= 16, "both replicas' reports")
-    assert before["minillm_replicas"] == 2 and before["minillm_requests_rejected_total"] >= 2
+    before = cluster.wait_for(lambda m: m["minillm_requests_finished_total"] >= 16 and m["minillm_replicas"] == 2,
+                              "both replicas' reports")
+    assert before["minillm_requests_rejected_total"] >= 2, before
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda i: client.completions.create(model="x", prompt=f"{i} " * 40, max_tokens=5,
                                                           extra_body={"ignore_eos": True}), range(8)))
@@ -119,14 +131,7 @@ def test_a_killed_replica_ends_its_streams_and_is_replaced(cluster):
     # new requests go to the other replica at once, and Ray starts a new one
     for i in range(4):
         assert run(cluster.client(timeout=60), chat_request(i))[0]
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        live = replicas_live(cluster)
-        if len(live) == 2 and victim not in {r["id"] for r in live} and all(r["status"] == "ok" for r in live):
-            break
-        time.sleep(0.5)
-    else:
-        pytest.fail(f"no replacement replica: {replicas_live(cluster)}")
+    wait_replicas(cluster, 2, timeout=180, gone=victim)
     assert run(cluster.client(timeout=60), chat_request(5))[0]
 
 
@@ -179,7 +184,7 @@ def test_sigterm_ends_streams_and_leaves_nothing_running(cluster):
 def test_autoscaling_and_a_shutdown_from_outside():
     live = LiveServer("--replicas", "1:2", "--threads", "1", "--parallel", "2", "--ctx", "512")
     try:
-        assert len(replicas_live(live)) == 1
+        wait_replicas(live, 1)
         client = live.client(max_retries=0, timeout=120)
 
         def long_request(i):
@@ -192,10 +197,7 @@ def test_autoscaling_and_a_shutdown_from_outside():
         # 12 requests for 2 slots: the queue holds for seconds, and Ray adds the second replica
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             answers = [pool.submit(long_request, i) for i in range(12)]
-            deadline = time.monotonic() + 120
-            while len(replicas_live(live)) < 2:
-                assert time.monotonic() < deadline, "no second replica within 120 s"
-                time.sleep(0.5)
+            wait_replicas(live, 2, timeout=120)
             processes = descendants(live.proc.pid)
             # `serve shutdown` (or serve.delete) from another Ray client ends the command (which then
             # stops its local Ray: a blocking delete would still be waiting on it)
