@@ -5,6 +5,7 @@ router's choices are also tested alone, without Ray."""
 import concurrent.futures
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -215,6 +216,44 @@ def test_autoscaling_and_a_shutdown_from_outside():
     finally:
         if live.proc.poll() is None:
             live.stop(timeout=60)
+
+
+def test_joining_a_running_ray_leaves_it_running(monkeypatch):
+    """--ray-address: the replicas go to a Ray started beforehand (`ray start`, on 127.0.0.1 here,
+    with a token: the command and every client need its settings); stopping the command removes
+    its application and leaves that Ray up."""
+    ray_cli = [os.path.join(os.path.dirname(sys.executable), "ray")]
+    for name, value in RAY_LOCAL.items():
+        monkeypatch.setenv(name, value)
+    env = dict(os.environ)
+    port = free_port(6300, 6999)  # under Ray's worker ports (10002 and up)
+    started = subprocess.run(ray_cli + ["start", "--head", "--port", str(port), "--num-cpus", "2",
+                                        "--include-dashboard", "false", "--disable-usage-stats"],
+                             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             timeout=120)  # no pipes: Ray's daemons would hold them open
+    try:
+        assert started.returncode == 0
+        live = LiveServer("--replicas", "1", "--threads", "1", "--ray-address", f"127.0.0.1:{port}")
+        assert f"on Ray 127.0.0.1:{port}" in "".join(live.stderr)
+        assert run(live.client(key="none"), chat_request(0))[0]
+        assert live.stop(timeout=60) == 0
+        apps = "import ray; from ray import serve; ray.init(address='auto'); print(sorted(serve.status().applications))"
+        left = subprocess.run([sys.executable, "-c", apps], env=env, capture_output=True, text=True, timeout=120)
+        assert left.returncode == 0 and left.stdout.strip().endswith("[]"), left.stderr
+    finally:
+        subprocess.run(ray_cli + ["stop", "--force"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=120)
+
+
+def free_port(low: int, high: int) -> int:
+    for port in range(low, high):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in {low}..{high}")
 
 
 # -- the router alone -------------------------------------------------------------------------

@@ -328,7 +328,8 @@ def run(settings: Settings, count: ReplicaCount, threads: int, host: str, port: 
             raise MinillmError(f"the replicas could not start: {exc}") from None
         deployed = True
         url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-        log(f"minillm serve: ready: {url}, {count.low}{f' to {count.high}' * (count.high > count.low)} replicas, "
+        log(f"minillm serve: ready: {url}, {count.low}{f' to {count.high}' * (count.high > count.low)} "
+            f"replica{'s' * (count.high > 1)}, "
             f"{settings.parallel} sequences at once each")
         while not stop.wait(1.0):
             if APP not in serve.status().applications:
