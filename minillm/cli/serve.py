@@ -40,7 +40,7 @@ def serve_replicas(settings, replicas: str, sock: socket.socket, ray_address: st
     from ..serving.ray_env import local_ray_environment
 
     host, port = sock.getsockname()[:2]
-    sock.close()  # Ray's proxy listens there: the port was checked free (and chosen, for --port 0)
+    sock.close()  # Ray Serve's proxy listens there: the port was checked free (and chosen, for --port 0)
     for path in (settings.model, settings.draft):
         if path is not None:  # a file replicas could not load is refused here, not retried by Ray
             with GGUFFile(path) as gguf:
