@@ -156,21 +156,23 @@ class Replica:
                  "method": request.method, "path": request.path, "raw_path": request.path.encode(),
                  "query_string": request.query, "root_path": "", "headers": request.headers,
                  "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
-        task = asyncio.ensure_future(self.app(scope, receive, send))
+        async def answer():
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                sent.put_nowait(None)  # the app is over
+
+        task = asyncio.ensure_future(answer())
         try:
             while True:
-                message = asyncio.ensure_future(sent.get())
-                await asyncio.wait([message, task], return_when=asyncio.FIRST_COMPLETED)
-                if not message.done():
-                    message.cancel()
-                    task.result()  # the app ended without its last message: re-raise what it raised
-                    return
-                batch = [message.result()]
+                batch = [await sent.get()]
                 while not sent.empty():
                     batch.append(sent.get_nowait())
-                yield batch
-                last = batch[-1]
-                if last["type"] == "http.response.body" and not last.get("more_body", False):
+                messages = [m for m in batch if m is not None]
+                if messages:
+                    yield messages
+                if batch[-1] is None:
+                    await task  # re-raises what the app raised
                     return
         finally:
             task.cancel()
