@@ -230,9 +230,9 @@ def test_q2_k_as_llama_cpp_repacks_it():
 
 @pytest.mark.parametrize("fmt", [0, 1, 2])  # FLOAT_F32, FLOAT_F16, FLOAT_BF16
 def test_float_batches_in_register_tiles_sum_as_tiny_blas(fmt):
-    """The batched float product takes tiles of 2 weight rows by 4 activation rows on AVX-512;
-    every output is still tinyBLAS's accumulator over steps of 16, bit for bit (partial tiles:
-    odd N, T not a multiple of 4)."""
+    """The batched float product takes register tiles (float_matmul.TILE, SMALL_TILE for 2
+    rows); every output is still tinyBLAS's accumulator over steps of 16 lanes (AVX2: 8), bit
+    for bit (partial tiles: odd N, T not a multiple of the tile's rows)."""
     import numba as nb
 
     from minillm.kernels.cpu import float_matmul as fm

@@ -5,8 +5,8 @@ their float16 bit patterns (uint16), widened as they load (_weight, simd._load_f
 
 - a batch of 2 rows or more: llamafile's tinyBLAS. Per output one accumulator of LANES floats
   (8 on AVX2, 16 with AVX-512), acc[j] = fma(w[l + j], x[l + j], acc[j]) over steps of LANES
-  columns (the last step partial), then its hsum; with AVX-512 and K a multiple of 16, computed
-  for tiles of outputs at once, in registers (_tiny_blas_tiles);
+  columns (the last step partial), then its hsum; with K a multiple of 16, computed for tiles of
+  outputs at once, in registers (_tiny_blas_tiles);
 - one row: ggml_vec_dot_f32/_f16, four such accumulators over steps of 4 LANES summed as ggml's
   REDUCE (attention's dot_f16_*), the columns past the last step added after (F16: in double;
   F32: product, then sum, in float); ggml_vec_dot_bf16, four (AVX-512: two) accumulators of
@@ -26,14 +26,17 @@ from .attention import F16_DOT_STEP, _reduce8, _reduce16
 from .f16 import f16_value, float32_from_bits
 from .fma import fma
 from .ops import GGML_AVX512, GGML_AVX512_BF16, THREADS
-from .simd import (dot_f16_32, dot_f16_64_ahead, dpbf16_dot_4x2, dpbf16_lanes_2x4, dpbf16_lanes_4x6, fma_lanes_2x4,
-                   fma_lanes_4x6, widen_f32)
+from .simd import (dot_f16_32_ahead, dot_f16_64_ahead, dpbf16_dot_4x2, dpbf16_lanes_2x4, dpbf16_lanes_4x6,
+                   fma8_lanes_2x2, fma8_lanes_4x3, fma_lanes_2x4, fma_lanes_4x6, mul_add8_dot_2x4, widen_f32)
 
 LANES = 16 if GGML_AVX512 else 8
 _FLT_MIN = np.float32(1.1754944e-38)  # the smallest normal float32
 FLOAT_F32, FLOAT_F16, FLOAT_BF16 = 0, 1, 2
 PARALLEL_MIN = 1 << 16     # element-wise passes over fewer values run on one thread (no fork/join)
 X_BLOCK_BYTES = 256 * 1024  # activation rows a pass over the weights reads (well inside L2)
+# register tiles (weight rows, activation rows) of a batch's products, and the smaller ones of a
+# batch under SMALL_BATCH rows: 24 accumulators of the 32 AVX-512 registers, 12 of AVX2's 16
+TILE, SMALL_TILE, SMALL_BATCH = ((4, 6), (2, 4), 8) if LANES == 16 else ((4, 3), (2, 2), 3)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
@@ -50,7 +53,7 @@ def float_matmul(weight, x, fmt, out):
     if _vector_bf16(w, K):
         _dpbf16_products(w, _bf16_bits(xf), N, K, T, out)
         return
-    if LANES == 16 and K % 16 == 0 and not (fmt == FLOAT_BF16 and GGML_AVX512_BF16):
+    if K % 16 == 0 and not (fmt == FLOAT_BF16 and GGML_AVX512_BF16):
         _tiny_blas_tiles(w, xf, N, K, T, out)
         return
     for n in nb.prange(N):
@@ -92,6 +95,9 @@ def _four_rows(w, N, K, quad, xf, xb, fmt, out):
     ggml's vec_dot for the format (module doc); xb: x's bf16 bits where _vector_bf16."""
     if _vector_bf16(w, K):
         _bf16_vector_rows(w, N, K, quad, xb, out)
+        return
+    if LANES == 8 and _holds_bf16_bits(w) and K % 32 == 0:
+        _bf16_avx2_rows(w, N, K, quad, xf, out)
         return
     acc = np.empty(4 * LANES, np.float32)
     for n in range(4 * quad, min(4 * quad + 4, N)):
@@ -166,34 +172,60 @@ def _bf16_vector_rows_impl(w, N, K, quad, xb, out):
     return rows
 
 
+def _bf16_avx2_rows(w, N, K, quad, x, out):
+    """_four_rows for BF16 weights on AVX2 (K a multiple of 32): _vec_dot_bf16's four 8-lane
+    accumulators in registers, two rows at a time (mul_add8_dot_2x4); compiled for bfloat16 bits
+    only."""
+
+
+@overload(_bf16_avx2_rows, inline="always")
+def _bf16_avx2_rows_impl(w, N, K, quad, x, out):
+    if w.dtype != types.int16 or LANES != 8:
+        return lambda w, N, K, quad, x, out: None
+
+    def rows(w, N, K, quad, x, out):
+        acc = np.empty(2 * 4 * 8, np.float32)  # (2 rows, 4 accumulators, 8 lanes)
+        at = np.empty(3, np.int64)             # where the 2 weight rows (the last repeated) and x start
+        at[2] = 0
+        for n0 in range(4 * quad, min(4 * quad + 4, N), 2):
+            at[0], at[1] = n0 * K, min(n0 + 1, N - 1) * K
+            mul_add8_dot_2x4(w, at[:2], x, at[2:], K // 32, acc)
+            for k in range(min(2, N - n0)):
+                c = acc[32 * k:]
+                for j in range(8):  # (c1 + c3) + (c2 + c4)
+                    c[j] = (c[j] + c[16 + j]) + (c[8 + j] + c[24 + j])
+                out[0, n0 + k] = _reduce8(c, 0)
+    return rows
+
+
 def _tiny_blas_tiles(w, x, N, K, T, out):
-    """tinyBLAS with AVX-512 (K a multiple of 16): each output's 16-lane accumulator exactly as
-    _tiny_blas_dot's, computed in register tiles of 4 weight rows by 6 activation rows (2 by 4
-    under 8 rows) so that a weight vector loads once for the tile's activation rows and an
-    activation vector once for its weight rows (_tiles). Not compiled where it cannot run: BF16
-    takes vdpbf16ps where the CPU has it, and AVX2 has no 16-lane tiles."""
+    """tinyBLAS (K a multiple of 16): each output's LANES-lane accumulator exactly as
+    _tiny_blas_dot's, computed in register tiles (TILE) so that a weight vector loads once for
+    the tile's activation rows and an activation vector once for its weight rows (_tiles). Not
+    compiled where it cannot run: BF16 takes vdpbf16ps where the CPU has it."""
 
 
 @overload(_tiny_blas_tiles, inline="always")
 def _tiny_blas_tiles_impl(w, x, N, K, T, out):
-    if LANES != 16 or (w.dtype == types.int16 and GGML_AVX512_BF16):
+    if w.dtype == types.int16 and GGML_AVX512_BF16:
         return lambda w, x, N, K, T, out: None
-
+    if LANES == 8:
+        return lambda w, x, N, K, T, out: _tiles_by_batch(w, x, N, K, T, out, fma8_lanes_4x3, fma8_lanes_2x2, 8)
     return lambda w, x, N, K, T, out: _tiles_by_batch(w, x, N, K, T, out, fma_lanes_4x6, fma_lanes_2x4, 16)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _tiles_by_batch(w, x, N, K, T, out, lanes_4x6, lanes_2x4, step):
-    """_tiles of 4 weight rows by 6 activation rows, or 2 by 4 under 8 rows."""
-    if T >= 8:
-        _tiles(w, x, N, K, T, out, lanes_4x6, 4, 6, step)
+def _tiles_by_batch(w, x, N, K, T, out, tile_lanes, small_lanes, step):
+    """_tiles of TILE's shape (tile_lanes computes them), or SMALL_TILE's under SMALL_BATCH rows."""
+    if T >= SMALL_BATCH:
+        _tiles(w, x, N, K, T, out, tile_lanes, TILE[0], TILE[1], step)
     else:
-        _tiles(w, x, N, K, T, out, lanes_2x4, 2, 4, step)
+        _tiles(w, x, N, K, T, out, small_lanes, SMALL_TILE[0], SMALL_TILE[1], step)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
 def _tiles(w, x, N, K, T, out, lanes, n_w, n_x, step):
-    """Tiles of n_w weight rows by n_x activation rows: lanes(...) leaves each output's 16-lane
+    """Tiles of n_w weight rows by n_x activation rows: lanes(...) leaves each output's LANES-lane
     accumulator over K // step steps, then its hsum. The activations are taken a block of rows
     at a time, as many as fit X_BLOCK_BYTES, and every tile of weight rows walks the block: each
     pass over the weights then reads activations from L2, not from memory. Each thread takes a
@@ -330,7 +362,7 @@ def _vec_dot(w, w_at, x, x_at, K, f16):
     if F16_DOT_STEP == 64:
         total = dot_f16_64_ahead(w, w_at, x, x_at, n_simd)
     else:
-        total = dot_f16_32(w, w_at, x, x_at, n_simd)
+        total = dot_f16_32_ahead(w, w_at, x, x_at, n_simd)
     if f16:  # ggml_float sum of the rest
         wide = np.float64(total)
         for i in range(n_simd, K):

@@ -23,18 +23,19 @@ def _ptr(context, builder, array_type, array, offset, vector_type):
     return builder.bitcast(builder.gep(data, [offset]), vector_type.as_pointer())
 
 
-def _load_f32x16(context, builder, array_type, array, offset):
-    """16 consecutive values of a float32 array, of a uint16 array of float16 bit patterns (the
-    KV cache, F16 weights) widened to float32 (vcvtph2ps), or of an int16 array of bfloat16 bit
-    patterns (BF16 weights) widened by a shift, as <16 x float>."""
+def _load_f32x16(context, builder, array_type, array, offset, lanes=LANES):
+    """16 consecutive values (or `lanes` of them) of a float32 array, of a uint16 array of float16
+    bit patterns (the KV cache, F16 weights) widened to float32 (vcvtph2ps), or of an int16 array
+    of bfloat16 bit patterns (BF16 weights) widened by a shift, as <16 x float> (<lanes x float>)."""
+    f32s, i32s = ir.VectorType(_F32, lanes), ir.VectorType(_I32, lanes)
     if array_type.dtype in (types.uint16, types.int16):
-        halves = builder.load(_ptr(context, builder, array_type, array, offset, ir.VectorType(ir.IntType(16), LANES)),
+        halves = builder.load(_ptr(context, builder, array_type, array, offset, ir.VectorType(ir.IntType(16), lanes)),
                               align=2)
         if array_type.dtype == types.int16:
-            wide = builder.shl(builder.zext(halves, _I32X16), ir.Constant(_I32X16, [16] * LANES))
-            return builder.bitcast(wide, _F32X16)
-        return builder.fpext(builder.bitcast(halves, ir.VectorType(ir.HalfType(), LANES)), _F32X16)
-    return builder.load(_ptr(context, builder, array_type, array, offset, _F32X16), align=4)
+            wide = builder.shl(builder.zext(halves, i32s), ir.Constant(i32s, [16] * lanes))
+            return builder.bitcast(wide, f32s)
+        return builder.fpext(builder.bitcast(halves, ir.VectorType(ir.HalfType(), lanes)), f32s)
+    return builder.load(_ptr(context, builder, array_type, array, offset, f32s), align=4)
 
 
 def _splat(builder, value, vector_type):
@@ -43,7 +44,10 @@ def _splat(builder, value, vector_type):
 
 
 def _fma(builder, a, b, c):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X16, [_F32X16] * 3), "llvm.fma.v16f32")
+    """fma(a, b, c) of <16 x float> (or of any width)."""
+    vector = a.type
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
+                                        f"llvm.fma.v{vector.count}f32")
     return builder.call(fn, [a, b, c])
 
 
@@ -533,21 +537,28 @@ dot_f16_64 = _dot_f16_64(0)
 dot_f16_64_ahead = _dot_f16_64(4096)  # a weight matrix's rows, one after the other (float_matmul)
 
 
-@intrinsic
-def dot_f16_32(typingctx, a, a_off, b, b_off, n32):
-    """ggml_vec_dot_f16 as ggml builds it for AVX2 (8-lane registers) over the first n32 (a
-    multiple of 32) values: 4 accumulators of 8 lanes, fma over steps of 32, summed (0 + 2) +
-    (1 + 3), the two halves of the 8 lanes added, then two hadds: (0 + 1) + (2 + 3). Here the
-    four 8-lane accumulators are two 16-lane vectors (elements 0-15 and 16-31 of each step)."""
-    sig = types.float32(a, types.intp, b, types.intp, types.intp)
+def _dot_f16_32(ahead):
+    @intrinsic
+    def dot_f16_32(typingctx, a, a_off, b, b_off, n32):
+        """ggml_vec_dot_f16 as ggml builds it for AVX2 (8-lane registers) over the first n32 (a
+        multiple of 32) values: 4 accumulators of 8 lanes, fma over steps of 32, summed (0 + 2) +
+        (1 + 3), the two halves of the 8 lanes added, then two hadds: (0 + 1) + (2 + 3). Here the
+        four 8-lane accumulators are two 16-lane vectors (elements 0-15 and 16-31 of each step)."""
+        sig = types.float32(a, types.intp, b, types.intp, types.intp)
 
-    def codegen(context, builder, signature, args):
-        lo, hi = _dot_f16_accumulators(context, builder, signature, args, 2)
-        s4 = _halve(builder, _halve(builder, builder.fadd(lo, hi), 8), 4)  # (0+2)+(1+3), 128-bit halves
-        lane = lambda j: builder.extract_element(s4, ir.Constant(_I32, j))  # noqa: E731
-        return builder.fadd(builder.fadd(lane(0), lane(1)), builder.fadd(lane(2), lane(3)))
+        def codegen(context, builder, signature, args):
+            lo, hi = _dot_f16_accumulators(context, builder, signature, args, 2, ahead)
+            s4 = _halve(builder, _halve(builder, builder.fadd(lo, hi), 8), 4)  # (0+2)+(1+3), 128-bit halves
+            lane = lambda j: builder.extract_element(s4, ir.Constant(_I32, j))  # noqa: E731
+            return builder.fadd(builder.fadd(lane(0), lane(1)), builder.fadd(lane(2), lane(3)))
 
-    return sig, codegen
+        return sig, codegen
+
+    return dot_f16_32
+
+
+dot_f16_32 = _dot_f16_32(0)
+dot_f16_32_ahead = _dot_f16_32(4096)  # a weight matrix's rows, one after the other (float_matmul)
 
 
 class _BFloat(ir.Type):
@@ -568,41 +579,46 @@ _I16X32 = ir.VectorType(ir.IntType(16), 32)
 
 
 def _hsum16_all(builder, vectors):
-    """_mm512_reduce_add_ps of each of many <16 x float> (lanes i + i+8, then i + i+4, i + i+2,
-    0 + 1: attention._reduce16's order), taken together: at each level two vectors holding L
-    lanes per sum become one holding L/2, the first halves of each sum's lanes added to the
-    second halves. Returns [(vector, n)]: vectors of 16 sums in the input order, the last one's
-    first n real (so 24 sums cost 23 vector adds, not 96)."""
-    width, level = LANES, [(v, 1) for v in vectors]  # (vector, sums it holds)
+    """The lane sums of many <16 x float> taken together (or of <8 x float>), each in ggml's
+    order: _mm512_reduce_add_ps's (lanes i + i+8, then i + i+4, i + i+2, 0 + 1:
+    attention._reduce16) or for 8 lanes its AVX2 hsum's (i + i+4, then i + i+2, 0 + 1: _reduce8).
+    At each level two vectors holding L lanes per sum become one holding L/2, the first halves of
+    each sum's lanes added to the second halves. Returns [(vector, n)]: vectors of as many sums as
+    lanes, in the input order, the last one's first n real (so 24 sums cost 23 vector adds, not 96)."""
+    lanes = vectors[0].type.count
+    mask = ir.VectorType(_I32, lanes)
+    width, level = lanes, [(v, 1) for v in vectors]  # (vector, sums it holds)
     while width > 1:
         half, paired = width // 2, []
         if len(level) % 2:
-            level.append((ir.Constant(_F32X16, 0.0), 0))
+            level.append((ir.Constant(vectors[0].type, 0.0), 0))
         for (a, n_a), (b, n_b) in zip(level[::2], level[1::2]):
-            slots = LANES // width  # sums a vector holds at this level
+            slots = lanes // width  # sums a vector holds at this level
             firsts = [o * width + j for o in range(2 * slots) for j in range(half)]
             seconds = [i + half for i in firsts]
-            lo = builder.shuffle_vector(a, b, ir.Constant(_I32X16, firsts))
-            hi = builder.shuffle_vector(a, b, ir.Constant(_I32X16, seconds))
+            lo = builder.shuffle_vector(a, b, ir.Constant(mask, firsts))
+            hi = builder.shuffle_vector(a, b, ir.Constant(mask, seconds))
             paired.append((builder.fadd(lo, hi), slots + n_b if n_a == slots else n_a))
         level, width = paired, half
     return level
 
 
-def _lane_tiles(n_w, n_x, product, n_chain=1, summed=False, ahead=0):
-    """An intrinsic: 16-lane accumulators for n_w weight rows (starting at w_at[k]) by n_x
+def _lane_tiles(n_w, n_x, product, n_chain=1, summed=False, ahead=0, lanes=LANES):
+    """An intrinsic: 16-lane accumulators (`lanes` of them: 8 for AVX2) for n_w weight rows (starting at w_at[k]) by n_x
     activation rows (at x_at[r]), n_chain each, from zero, in registers: step i's c-th vector of
     values (at width * (n_chain * i + c)) goes to accumulator c, stored at
-    acc[16 * (n_chain * (n_x * k + r) + c) + j]; summed: each accumulator's hsum (_hsum16_all)
+    acc[lanes * (n_chain * (n_x * k + r) + c) + j]; summed: each accumulator's hsum (_hsum16_all)
     instead, at acc[n_chain * (n_x * k + r) + c]. Each step loads a weight vector once for the
     n_x rows and an activation vector once for the n_w; ahead: it also asks for the weight lines
     `ahead` values further on, into L2 (a matrix's next rows).
-    product "fma": tinyBLAS's lanes, 16 values a vector, acc = fma(w, x, acc); float32 arrays, or
+    product "fma": tinyBLAS's lanes, `lanes` values a vector, acc = fma(w, x, acc); float32 arrays, or
     float16 (uint16) / bfloat16 (int16) bit patterns widened as they load.
+    product "mul_add": the same loads, acc = acc + w * x rounded twice (ggml_vec_dot_bf16's steps).
     product "dpbf16": 32 values a vector of int16 arrays of bfloat16 bit patterns, one vdpbf16ps:
     lane j adds the products of the vector's values 2j + 1 and 2j (exact in float32), with
     ggml's rounding and flushing of subnormals: the instruction llama.cpp's BF16 products take."""
-    width = 16 if product == "fma" else 32
+    width = 32 if product == "dpbf16" else lanes
+    acc_type = ir.VectorType(_F32, lanes)
 
     @intrinsic
     def lane_tiles(typingctx, w, w_at, x, x_at, n_steps, acc):
@@ -611,9 +627,12 @@ def _lane_tiles(n_w, n_x, product, n_chain=1, summed=False, ahead=0):
         def codegen(context, builder, signature, args):
             w_a, w_at_a, x_a, x_at_a, n, acc_a = args
             c = lambda v: ir.Constant(n.type, v)  # noqa: E731
-            if product == "fma":
-                load = lambda array_type, array, at: _load_f32x16(context, builder, array_type, array, at)  # noqa: E731
-                step = lambda acc, wv, xv: _fma(builder, wv, xv, acc)  # noqa: E731
+            if product in ("fma", "mul_add"):
+                load = lambda array_type, array, at: _load_f32x16(context, builder, array_type, array, at, lanes)  # noqa: E731
+                if product == "fma":
+                    step = lambda acc, wv, xv: _fma(builder, wv, xv, acc)  # noqa: E731
+                else:
+                    step = lambda acc, wv, xv: builder.fadd(builder.fmul(wv, xv), acc)  # noqa: E731
             else:
                 dp = cgutils.get_or_insert_function(
                     builder.module, ir.FunctionType(_F32X16, [_F32X16, _BF16X32, _BF16X32]),
@@ -629,13 +648,16 @@ def _lane_tiles(n_w, n_x, product, n_chain=1, summed=False, ahead=0):
             x_starts = _first_values(context, builder, signature.args[3], x_at_a, n_x)
             w_data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=w_a).data
 
+            w_per_line = 64 * 8 // signature.args[0].dtype.bitwidth
+
             def body(i, carried):
                 out = list(carried)
+                for line in range(0, width * n_chain, w_per_line) if ahead else ():  # the step's lines, ahead
+                    for o in w_starts:
+                        at = builder.add(builder.mul(i, c(width * n_chain)), c(line + ahead))
+                        prefetch_line(builder, builder.gep(w_data, [builder.add(o, at)]), 2)
                 for ch in range(n_chain):
                     at = builder.add(builder.mul(i, c(width * n_chain)), c(width * ch))
-                    if ahead:
-                        for o in w_starts:
-                            prefetch_line(builder, builder.gep(w_data, [builder.add(builder.add(o, at), c(ahead))]), 2)
                     wv = [load(signature.args[0], w_a, builder.add(o, at)) for o in w_starts]
                     xv = [load(signature.args[2], x_a, builder.add(o, at)) for o in x_starts]
                     for k in range(n_w):
@@ -644,19 +666,19 @@ def _lane_tiles(n_w, n_x, product, n_chain=1, summed=False, ahead=0):
                             out[slot] = step(out[slot], wv[k], xv[r])
                 return out
 
-            sums = _loop(builder, n, [ir.Constant(_F32X16, 0.0)] * (n_w * n_x * n_chain), body)
+            sums = _loop(builder, n, [ir.Constant(acc_type, 0.0)] * (n_w * n_x * n_chain), body)
             acc_data = cgutils.create_struct_proxy(signature.args[5])(context, builder, value=acc_a).data
             if summed:
                 for g, (v, n_real) in enumerate(_hsum16_all(builder, sums)):
-                    if n_real == LANES:
-                        builder.store(v, _ptr(context, builder, signature.args[5], acc_a, c(16 * g), _F32X16), align=4)
+                    if n_real == lanes:
+                        builder.store(v, _ptr(context, builder, signature.args[5], acc_a, c(lanes * g), acc_type), align=4)
                         continue
                     for j in range(n_real):
                         builder.store(builder.extract_element(v, ir.Constant(_I32, j)),
-                                      builder.gep(acc_data, [c(16 * g + j)]))
+                                      builder.gep(acc_data, [c(lanes * g + j)]))
                 return context.get_dummy_value()
             for k, v in enumerate(sums):
-                builder.store(v, _ptr(context, builder, signature.args[5], acc_a, c(16 * k), _F32X16), align=4)
+                builder.store(v, _ptr(context, builder, signature.args[5], acc_a, c(lanes * k), acc_type), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -689,6 +711,11 @@ def widen_f32(typingctx, src, src_off, dst, dst_off, n16):
 
 fma_lanes_2x4 = _lane_tiles(2, 4, "fma", summed=True)
 fma_lanes_4x6 = _lane_tiles(4, 6, "fma", summed=True)
+# AVX2's 16 vector registers: 12 accumulators of 8 lanes (tinyBLAS's own AVX2 tiles are 4 by 3)
+fma8_lanes_4x3 = _lane_tiles(4, 3, "fma", summed=True, lanes=8)
+fma8_lanes_2x2 = _lane_tiles(2, 2, "fma", summed=True, lanes=8)
+# ggml_vec_dot_bf16 on AVX2 for 2 rows: four accumulators of 8 lanes each, rows asked for 8 KiB ahead
+mul_add8_dot_2x4 = _lane_tiles(2, 1, "mul_add", n_chain=4, ahead=4096, lanes=8)
 dpbf16_lanes_2x4 = _lane_tiles(2, 4, "dpbf16", summed=True)
 dpbf16_lanes_4x6 = _lane_tiles(4, 6, "dpbf16", summed=True)
 # ggml_vec_dot_bf16 of 4 rows: two accumulators each over steps of 64, rows asked for 8 KiB ahead

