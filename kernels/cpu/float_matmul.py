@@ -229,19 +229,20 @@ def _tiles(w, x, N, K, T, out, lanes, n_w, n_x, step):
     accumulator over K // step steps, then its hsum. The activations are taken a block of rows
     at a time, as many as fit X_BLOCK_BYTES, and every tile of weight rows walks the block: each
     pass over the weights then reads activations from L2, not from memory. Each thread takes a
-    run of tiles; 16-bit weights are widened to float32 once per tile and block (_tile_rows), not
-    once per activation rows. A partial tile repeats its last rows, unused."""
+    run of tiles and walks every block over them (one parallel region, not one a block); 16-bit
+    weights are widened to float32 once per tile and block (_tile_rows), not once per activation
+    rows. A partial tile repeats its last rows, unused."""
     block = max(n_x, X_BLOCK_BYTES // (K * x.itemsize) // n_x * n_x)
     n_tiles = (N + n_w - 1) // n_w
     n_runs = min(n_tiles, THREADS)
-    for b0 in range(0, T, block):
-        b1 = min(T, b0 + block)
-        for run in nb.prange(n_runs):
-            acc = np.empty(n_w * n_x, np.float32)       # (n_w, n_x): each output's lanes, summed
-            w_at = np.empty(n_w, np.int64)              # where each weight row starts
-            x_at = np.empty(n_x, np.int64)              # where each activation row starts
-            wide = _wide_rows(w, x, n_w * K)            # (n_w * K,) the tile's rows widened, if they are
-            wide_at = np.arange(n_w) * K
+    for run in nb.prange(n_runs):
+        acc = np.empty(n_w * n_x, np.float32)       # (n_w, n_x): each output's lanes, summed
+        w_at = np.empty(n_w, np.int64)              # where each weight row starts
+        x_at = np.empty(n_x, np.int64)              # where each activation row starts
+        wide = _wide_rows(w, x, n_w * K)            # (n_w * K,) the tile's rows widened, if they are
+        wide_at = np.arange(n_w) * K
+        for b0 in range(0, T, block):
+            b1 = min(T, b0 + block)
             for tile in range(run * n_tiles // n_runs, (run + 1) * n_tiles // n_runs):
                 n0, n_rows = n_w * tile, min(n_w, N - n_w * tile)
                 for k in range(n_w):
