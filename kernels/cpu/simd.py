@@ -512,53 +512,40 @@ def _dot_f16_accumulators(context, builder, signature, args, n_acc, ahead=0):
     return _loop(builder, builder.sdiv(n, c(step)), [ir.Constant(_F32X16, None)] * n_acc, body)
 
 
-def _dot_f16_64(ahead):
+def _dot_f16(step, ahead):
+    """ggml_vec_dot_f16 over the first n (a multiple of `step`) values of a and b, in registers,
+    as ggml builds it for AVX-512 (step 64) or AVX2 (step 32); float32. Either array may hold
+    float16 bit patterns (uint16), widened as they load. ahead: _dot_f16_accumulators'.
+    - AVX-512: 4 accumulators of 16 lanes, fma over steps of 64, summed (0 + 2) + (1 + 3), then
+      _mm512_reduce_add_ps's halving tree 16 -> 8 -> 4 and (0 + 2) + (1 + 3).
+    - AVX2: 4 accumulators of 8 lanes, fma over steps of 32, summed (0 + 2) + (1 + 3), the two
+      halves of the 8 lanes added, then two hadds: (0 + 1) + (2 + 3). Here the four 8-lane
+      accumulators are two 16-lane vectors (elements 0-15 and 16-31 of each step)."""
     @intrinsic
-    def dot_f16_64(typingctx, a, a_off, b, b_off, n64):
-        """ggml_vec_dot_f16 (AVX-512) over the first n64 (a multiple of 64) values of a and b, in
-        registers: 4 accumulators of 16 lanes, fma over steps of 64, summed (0 + 2) + (1 + 3), then
-        _mm512_reduce_add_ps's halving tree 16 -> 8 -> 4 and (0 + 2) + (1 + 3). float32. Either array
-        may hold float16 bit patterns (uint16), widened as they load."""
+    def dot_f16(typingctx, a, a_off, b, b_off, n):
         sig = types.float32(a, types.intp, b, types.intp, types.intp)
 
         def codegen(context, builder, signature, args):
-            acc0, acc1, acc2, acc3 = _dot_f16_accumulators(context, builder, signature, args, 4, ahead)
-            s16 = builder.fadd(builder.fadd(acc0, acc2), builder.fadd(acc1, acc3))
+            acc = _dot_f16_accumulators(context, builder, signature, args, step // 16, ahead)
+            if step == 64:
+                s16 = builder.fadd(builder.fadd(acc[0], acc[2]), builder.fadd(acc[1], acc[3]))
+            else:
+                s16 = builder.fadd(acc[0], acc[1])  # (0+2)+(1+3) of the 8-lane accumulators
             s4 = _halve(builder, _halve(builder, s16, 8), 4)
             lane = lambda j: builder.extract_element(s4, ir.Constant(_I32, j))  # noqa: E731
-            return builder.fadd(builder.fadd(lane(0), lane(2)), builder.fadd(lane(1), lane(3)))
+            first, second = ((0, 2), (1, 3)) if step == 64 else ((0, 1), (2, 3))
+            return builder.fadd(builder.fadd(lane(first[0]), lane(first[1])),
+                                builder.fadd(lane(second[0]), lane(second[1])))
 
         return sig, codegen
 
-    return dot_f16_64
+    return dot_f16
 
 
-dot_f16_64 = _dot_f16_64(0)
-dot_f16_64_ahead = _dot_f16_64(4096)  # a weight matrix's rows, one after the other (float_matmul)
-
-
-def _dot_f16_32(ahead):
-    @intrinsic
-    def dot_f16_32(typingctx, a, a_off, b, b_off, n32):
-        """ggml_vec_dot_f16 as ggml builds it for AVX2 (8-lane registers) over the first n32 (a
-        multiple of 32) values: 4 accumulators of 8 lanes, fma over steps of 32, summed (0 + 2) +
-        (1 + 3), the two halves of the 8 lanes added, then two hadds: (0 + 1) + (2 + 3). Here the
-        four 8-lane accumulators are two 16-lane vectors (elements 0-15 and 16-31 of each step)."""
-        sig = types.float32(a, types.intp, b, types.intp, types.intp)
-
-        def codegen(context, builder, signature, args):
-            lo, hi = _dot_f16_accumulators(context, builder, signature, args, 2, ahead)
-            s4 = _halve(builder, _halve(builder, builder.fadd(lo, hi), 8), 4)  # (0+2)+(1+3), 128-bit halves
-            lane = lambda j: builder.extract_element(s4, ir.Constant(_I32, j))  # noqa: E731
-            return builder.fadd(builder.fadd(lane(0), lane(1)), builder.fadd(lane(2), lane(3)))
-
-        return sig, codegen
-
-    return dot_f16_32
-
-
-dot_f16_32 = _dot_f16_32(0)
-dot_f16_32_ahead = _dot_f16_32(4096)  # a weight matrix's rows, one after the other (float_matmul)
+dot_f16_64 = _dot_f16(64, 0)
+dot_f16_64_ahead = _dot_f16(64, 4096)  # a weight matrix's rows, one after the other (float_matmul)
+dot_f16_32 = _dot_f16(32, 0)
+dot_f16_32_ahead = _dot_f16(32, 4096)
 
 
 class _BFloat(ir.Type):
