@@ -191,10 +191,7 @@ def _bf16_avx2_rows_impl(w, N, K, quad, x, out):
             at[0], at[1] = n0 * K, min(n0 + 1, N - 1) * K
             mul_add8_dot_2x4(w, at[:2], x, at[2:], K // 32, acc)
             for k in range(min(2, N - n0)):
-                c = acc[32 * k:]
-                for j in range(8):  # (c1 + c3) + (c2 + c4)
-                    c[j] = (c[j] + c[16 + j]) + (c[8 + j] + c[24 + j])
-                out[0, n0 + k] = _reduce8(c, 0)
+                out[0, n0 + k] = _bf16_avx2_sum(acc[32 * k:])
     return rows
 
 
@@ -389,12 +386,19 @@ def _vec_dot_bf16(w, w_at, x, x_at, K, acc):
     if LANES == 16:
         wide = np.float64(_reduce16(acc, 0)) + np.float64(_reduce16(acc, 16))
     else:
-        for j in range(8):  # (c1 + c3) + (c2 + c4)
-            acc[j] = (acc[j] + acc[16 + j]) + (acc[8 + j] + acc[24 + j])
-        wide = np.float64(_reduce8(acc, 0))
+        wide = np.float64(_bf16_avx2_sum(acc))
     for k in range(i, K):
         wide += np.float64(_weight(w, w_at + k) * x[x_at + k])
     return np.float32(wide)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _bf16_avx2_sum(acc):
+    """ggml_vec_dot_bf16's AVX2 reduction of its accumulators c1..c4 (acc[0:32], 8 lanes each):
+    (c1 + c3) + (c2 + c4), then the 8 lanes summed (_reduce8). Overwrites acc[0:8]."""
+    for j in range(8):
+        acc[j] = (acc[j] + acc[16 + j]) + (acc[8 + j] + acc[24 + j])
+    return _reduce8(acc, 0)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

@@ -565,7 +565,7 @@ _BF16X32 = ir.VectorType(_BFloat(), 32)
 _I16X32 = ir.VectorType(ir.IntType(16), 32)
 
 
-def _hsum16_all(builder, vectors):
+def _hsum_all(builder, vectors):
     """The lane sums of many <16 x float> taken together (or of <8 x float>), each in ggml's
     order: _mm512_reduce_add_ps's (lanes i + i+8, then i + i+4, i + i+2, 0 + 1:
     attention._reduce16) or for 8 lanes its AVX2 hsum's (i + i+4, then i + i+2, 0 + 1: _reduce8).
@@ -591,10 +591,11 @@ def _hsum16_all(builder, vectors):
 
 
 def _lane_tiles(n_w, n_x, product, n_chain=1, summed=False, ahead=0, lanes=LANES):
-    """An intrinsic: 16-lane accumulators (`lanes` of them: 8 for AVX2) for n_w weight rows (starting at w_at[k]) by n_x
-    activation rows (at x_at[r]), n_chain each, from zero, in registers: step i's c-th vector of
+    """An intrinsic: accumulators of `lanes` lanes (16, or 8 for AVX2) for n_w weight rows
+    (starting at w_at[k]) by n_x activation rows (at x_at[r]), n_chain each, from zero, in
+    registers: step i's c-th vector of
     values (at width * (n_chain * i + c)) goes to accumulator c, stored at
-    acc[lanes * (n_chain * (n_x * k + r) + c) + j]; summed: each accumulator's hsum (_hsum16_all)
+    acc[lanes * (n_chain * (n_x * k + r) + c) + j]; summed: each accumulator's hsum (_hsum_all)
     instead, at acc[n_chain * (n_x * k + r) + c]. Each step loads a weight vector once for the
     n_x rows and an activation vector once for the n_w; ahead: it also asks for the weight lines
     `ahead` values further on, into L2 (a matrix's next rows).
@@ -656,7 +657,7 @@ def _lane_tiles(n_w, n_x, product, n_chain=1, summed=False, ahead=0, lanes=LANES
             sums = _loop(builder, n, [ir.Constant(acc_type, 0.0)] * (n_w * n_x * n_chain), body)
             acc_data = cgutils.create_struct_proxy(signature.args[5])(context, builder, value=acc_a).data
             if summed:
-                for g, (v, n_real) in enumerate(_hsum16_all(builder, sums)):
+                for g, (v, n_real) in enumerate(_hsum_all(builder, sums)):
                     if n_real == lanes:
                         builder.store(v, _ptr(context, builder, signature.args[5], acc_a, c(lanes * g), acc_type), align=4)
                         continue
