@@ -28,7 +28,8 @@ from .f16 import f16_round, f16_round_finite, f16_value
 from .fma import fma
 from .head_walk import expf_exact, heads_walk_f16, walk_fits
 from .ops import GGML_AVX512, THREADS, v_expf_avx2
-from .simd import dot_f16_32, dot_f16_64, f16_mad_rows, f16_rescale_add_rows, fma_chain_64, fma_chains_64x2, v_expf_rows
+from .simd import (dot_f16_32, dot_f16_64, exp_sum_rows, f16_mad_rows, f16_rescale_add_rows, fma_chain_64, fma_chains_64x2,
+                   fma_chains_64x6, scaled_masked_max, widen_f32)
 
 Q_TILE = 64           # query rows per tile, and the batch size from which ggml tiles
 KV_TILE = 64          # cells per tile
@@ -439,7 +440,7 @@ def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, sca
         kt = np.zeros((D, KV_TILE), np.float32)      # the tile's keys, transposed
         vt = np.zeros((KV_TILE, D), np.float32)
         kq = np.empty((Q_TILE, KV_TILE), np.float32)  # scores, then probabilities
-        seen = np.zeros((Q_TILE, KV_TILE), np.bool_)
+        bias = np.empty((Q_TILE, KV_TILE), np.float32)  # the mask: 0 where a row sees a cell, else -inf
         slots = np.empty(KV_TILE, np.int64)         # the tile's cells' slots
         cached = np.empty(KV_TILE, np.bool_)         # whether the ring still holds each cell
         # tiles wholly before the first visible cell or after the last query are masked: skipped
@@ -448,24 +449,14 @@ def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, sca
         for c0 in range(c_first, min(n_cells, q_pos[t0 + rows - 1] + 1), KV_TILE):
             if c0 >= n_keep and c0 + KV_TILE <= ring_start:  # a tile of forgotten cells
                 continue
-            any_seen = False
             for tk in range(KV_TILE):
                 slots[tk] = _slot(c0 + tk, n_keep, kcache.shape[0])
                 cached[tk] = kv_pos[slots[tk]] == c0 + tk
-            for tq in range(rows):  # _visible, with the cache lookups done once a tile
-                pos = q_pos[t0 + tq]
-                lo = _first_cell(pos, window)
-                for tk in range(KV_TILE):
-                    seen[tq, tk] = cached[tk] and c0 + tk >= lo and c0 + tk <= pos
-                    any_seen = any_seen or seen[tq, tk]
-            if not any_seen:
+            if _tile_mask(q_pos, t0, rows, c0, cached, window, bias) == 0:
                 continue
-            for tk in range(KV_TILE):
-                for d in range(D):
-                    kt[d, tk] = f16_value(kcache[slots[tk], kvh, d]) if cached[tk] else np.float32(0.0)
-                    vt[tk, d] = f16_value(vcache[slots[tk], kvh, d]) if cached[tk] else np.float32(0.0)
+            _tile_kv(kcache, vcache, slots, cached, kvh, kt, vt)
             for hh in range(group):
-                _tile_head(q, t0, rows, kvh * group + hh, kt, vt, kq, seen, scale, softcap, m[hh], s_sum[hh], vkq[hh])
+                _tile_head(q, t0, rows, kvh * group + hh, kt, vt, kq, bias, scale, softcap, m[hh], s_sum[hh], vkq[hh])
         for hh in range(group):
             h = kvh * group + hh
             for tq in range(rows):
@@ -475,19 +466,54 @@ def _attend_tiled(q, q_pos, kcache, vcache, kv_pos, n_keep, n_cells, window, sca
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _tile_head(q, t0, rows, h, kt, vt, kq, seen, scale, softcap, m, s_sum, vkq):
+def _tile_mask(q_pos, t0, rows, c0, cached, window, bias):
+    """bias[tq, tk]: 0 where query row t0 + tq sees cell c0 + tk (_visible, the cache lookups
+    done once a tile in `cached`), else -inf. Returns how many it sees."""
+    n_seen = 0
+    for tq in range(rows):
+        pos = q_pos[t0 + tq]
+        lo = _first_cell(pos, window)
+        for tk in range(KV_TILE):
+            seen = cached[tk] and c0 + tk >= lo and c0 + tk <= pos
+            bias[tq, tk] = np.float32(0.0) if seen else np.float32(-np.inf)
+            n_seen += seen
+    return n_seen
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _tile_kv(kcache, vcache, slots, cached, kvh, kt, vt):
+    """A tile's keys (kt (D, KV_TILE), transposed) and values (vt (KV_TILE, D)) as float32, from
+    the cells the ring holds; 0 for the others."""
+    D = kcache.shape[2]
+    for tk in range(KV_TILE):
+        if not cached[tk]:
+            kt[:, tk] = 0
+            vt[tk] = 0
+            continue
+        at = (slots[tk] * kcache.shape[1] + kvh) * D
+        if D % 16 == 0:
+            widen_f32(vcache, at, vt, tk * D, D // 16)
+        else:
+            for d in range(D):
+                vt[tk, d] = f16_value(vcache[slots[tk], kvh, d])
+        for d in range(D):
+            kt[d, tk] = f16_value(kcache[slots[tk], kvh, d])
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _tile_head(q, t0, rows, h, kt, vt, kq, bias, scale, softcap, m, s_sum, vkq):
     """One head's step over one tile: scores, online softmax, the V sum (vkq (Q_TILE, D))."""
     D = kt.shape[0]
     _tile_scores(q, t0, rows, h, kt, kq)
     for tq in range(rows):
-        _tile_softmax(kq[tq], seen[tq], scale, softcap, tq, m, s_sum, vkq)
+        _tile_softmax(kq, bias, tq, scale, softcap, m, s_sum, vkq)
     if D % 64 == 0:  # vkq[tq] = fma(vt[tk], p[tk], vkq[tq]) for tk in order, 64 dims at a time
-        for tq in range(0, rows - 1, 2):  # two rows at a time
+        tq = 0
+        while tq < rows:
+            n_rows = _group_rows(rows - tq)
             for d in range(0, D, 64):
-                fma_chains_64x2(vkq, tq * D + d, D, vt, d, D, kq, tq * KV_TILE, KV_TILE, 1, KV_TILE)
-        if rows % 2:
-            for d in range(0, D, 64):
-                fma_chain_64(vkq, (rows - 1) * D + d, 0, vt, d, D, kq, (rows - 1) * KV_TILE, 0, 1, KV_TILE)
+                _fma_chains(n_rows, vkq, tq * D + d, D, vt, d, D, kq, tq * KV_TILE, KV_TILE, 1, KV_TILE)
+            tq += n_rows
         return
     for tq in range(rows):
         for tk in range(KV_TILE):
@@ -499,29 +525,50 @@ def _tile_head(q, t0, rows, h, kt, vt, kq, seen, scale, softcap, m, s_sum, vkq):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
+def _group_rows(rows_left):
+    """How many of a tile's rows the next _fma_chains takes: 6, then 2, then 1."""
+    return 6 if rows_left >= 6 else 2 if rows_left >= 2 else 1
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _fma_chains(n_rows, acc, acc_off, acc_row, mat, m_off, m_stride, s, s_off, s_row, s_step, n):
+    """simd.fma_chains_64x{n_rows} (6, 2 or 1 rows: 24, 8 or 4 chains in registers)."""
+    if n_rows == 6:
+        fma_chains_64x6(acc, acc_off, acc_row, mat, m_off, m_stride, s, s_off, s_row, s_step, n)
+    elif n_rows == 2:
+        fma_chains_64x2(acc, acc_off, acc_row, mat, m_off, m_stride, s, s_off, s_row, s_step, n)
+    else:
+        fma_chain_64(acc, acc_off, acc_row, mat, m_off, m_stride, s, s_off, s_row, s_step, n)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
 def _tile_scores(q, t0, rows, h, kt, kq):
     """kq[tq, tk] = one fma chain over the head dimension (simd_gemm), Q in f32."""
     D = kt.shape[0]
     kq[:] = 0
     q_row = q.shape[1]
-    # kq[tq] = fma(kt[d], q[tq, d], kq[tq]) for d in order, two rows at a time
-    for tq in range(0, rows - 1, 2):
-        fma_chains_64x2(kq, tq * KV_TILE, KV_TILE, kt, 0, KV_TILE, q, (t0 + tq) * q_row + h * D, q_row, 1, D)
-    if rows % 2:
-        tq = rows - 1
-        fma_chain_64(kq, tq * KV_TILE, 0, kt, 0, KV_TILE, q, (t0 + tq) * q_row + h * D, 0, 1, D)
+    # kq[tq] = fma(kt[d], q[tq, d], kq[tq]) for d in order
+    tq = 0
+    while tq < rows:
+        n_rows = _group_rows(rows - tq)
+        _fma_chains(n_rows, kq, tq * KV_TILE, KV_TILE, kt, 0, KV_TILE, q, (t0 + tq) * q_row + h * D, q_row, 1, D)
+        tq += n_rows
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _tile_softmax(row, seen, scale, softcap, tq, m, s_sum, vkq):
-    """Scale and mask one row of scores, update the row's max and sum; row becomes the
+def _tile_softmax(kq, bias, tq, scale, softcap, m, s_sum, vkq):
+    """Scale and mask row tq of the scores, update the row's max and sum; the row becomes the
     probabilities (0 where masked), vkq[tq] rescaled when the max grows."""
-    tile_max = np.float32(-np.inf)
-    for tk in range(KV_TILE):
-        row[tk] = _capped(row[tk] * scale, softcap) if seen[tk] else np.float32(-np.inf)
-        tile_max = max(tile_max, row[tk])
+    at = tq * KV_TILE
+    if softcap == 0:
+        tile_max = scaled_masked_max(kq, at, bias, at, scale, KV_TILE // 16)
+    else:
+        tile_max = np.float32(-np.inf)
+        for tk in range(KV_TILE):
+            kq[tq, tk] = _capped(kq[tq, tk] * scale, softcap) + bias[tq, tk]
+            tile_max = max(tile_max, kq[tq, tk])
     if tile_max == -np.inf:
-        row[:] = 0
+        kq[tq] = 0
         return
     m_new = max(m[tq], tile_max)
     if m_new > m[tq]:
@@ -530,17 +577,15 @@ def _tile_softmax(row, seen, scale, softcap, tq, m, s_sum, vkq):
             vkq[tq, d] = vkq[tq, d] * ms
         s_sum[tq] = s_sum[tq] * ms
     m[tq] = m_new
-    total = 0.0  # ggml_vec_soft_max_f32: a double sum of SIMD-width reductions
+    # ggml_vec_soft_max_f32: a double sum of SIMD-width reductions
     if GGML_AVX512:
-        for tk in range(0, KV_TILE, 16):
-            v_expf_rows(row, tk, m_new)
-        for at in range(0, KV_TILE, 16):
-            total += np.float64(_reduce16(row, at))
+        total = exp_sum_rows(kq, at, m_new, KV_TILE // 16)
     else:
+        total = 0.0
         for tk in range(KV_TILE):
-            row[tk] = v_expf_avx2(row[tk] - m_new)
-        for at in range(0, KV_TILE, 8):
-            total += np.float64(_reduce8(row, at))
+            kq[tq, tk] = v_expf_avx2(kq[tq, tk] - m_new)
+        for a in range(at, at + KV_TILE, 8):
+            total += np.float64(_reduce8(kq.reshape(Q_TILE * KV_TILE), a))
     s_sum[tq] = np.float32(np.float64(s_sum[tq]) + total)
 
 

@@ -257,16 +257,61 @@ def v_expf_vector(builder, x):
 
 
 @intrinsic
-def v_expf_rows(typingctx, arr, off, shift):
-    """arr[i] = ggml_v_expf(arr[i] - shift) for 16 consecutive i."""
-    sig = types.void(arr, types.intp, types.float32)
+def scaled_masked_max(typingctx, row, row_off, bias, bias_off, scale, n16):
+    """row[i] = row[i] * scale + bias[i] for i < 16 * n16 (bias: 0, or -inf where masked, as
+    ggml adds its mask); returns the largest of them (-inf when all are masked)."""
+    sig = types.float32(row, types.intp, bias, types.intp, types.float32, types.intp)
 
     def codegen(context, builder, signature, args):
-        arr_a, arr_o, shift = args
-        p = _ptr(context, builder, signature.args[0], arr_a, arr_o, _F32X16)
-        x = builder.fsub(builder.load(p, align=4), _splat(builder, shift, _F32X16))
-        builder.store(v_expf_vector(builder, x), p, align=4)
-        return context.get_dummy_value()
+        row_a, row_o, bias_a, bias_o, scale, n = args
+        c = lambda v: ir.Constant(row_o.type, v)  # noqa: E731
+        scale_v = _splat(builder, scale, _F32X16)
+
+        def body(i, carried):
+            at = builder.mul(i, c(LANES))
+            p = _ptr(context, builder, signature.args[0], row_a, builder.add(row_o, at), _F32X16)
+            b = builder.load(_ptr(context, builder, signature.args[2], bias_a, builder.add(bias_o, at), _F32X16),
+                             align=4)
+            v = builder.fadd(builder.fmul(builder.load(p, align=4), scale_v), b)
+            builder.store(v, p, align=4)
+            return [_larger(builder, v, carried[0])]
+
+        (top,) = _loop(builder, n, [_f32(float("-inf"))], body)
+        for width in (8, 4, 2, 1):  # the lanes' largest (any order gives the same)
+            lo = builder.shuffle_vector(top, top, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
+            hi = builder.shuffle_vector(top, top, ir.Constant(ir.VectorType(_I32, width), list(range(width, 2 * width))))
+            top = _larger(builder, lo, hi)
+        return builder.extract_element(top, ir.Constant(_I32, 0))
+
+    return sig, codegen
+
+
+def _larger(builder, a, b):
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+
+@intrinsic
+def exp_sum_rows(typingctx, row, row_off, shift, n16):
+    """row[i] = ggml_v_expf(row[i] - shift) for i < 16 * n16; returns ggml_vec_soft_max_f32's sum
+    of them: each 16's _mm512_reduce_add_ps (attention._reduce16), added in order in double."""
+    sig = types.float64(row, types.intp, types.float32, types.intp)
+
+    def codegen(context, builder, signature, args):
+        row_a, row_o, shift, n = args
+        c = lambda v: ir.Constant(row_o.type, v)  # noqa: E731
+        shift_v = _splat(builder, shift, _F32X16)
+
+        def body(i, carried):
+            p = _ptr(context, builder, signature.args[0], row_a, builder.add(row_o, builder.mul(i, c(LANES))), _F32X16)
+            e = v_expf_vector(builder, builder.fsub(builder.load(p, align=4), shift_v))
+            builder.store(e, p, align=4)
+            s4 = _halve(builder, _halve(builder, e, 8), 4)
+            lane = lambda j: builder.extract_element(s4, ir.Constant(_I32, j))  # noqa: E731
+            summed = builder.fadd(builder.fadd(lane(0), lane(2)), builder.fadd(lane(1), lane(3)))
+            return [builder.fadd(carried[0], builder.fpext(summed, ir.DoubleType()))]
+
+        (total,) = _loop(builder, n, [ir.Constant(ir.DoubleType(), 0.0)], body)
+        return total
 
     return sig, codegen
 
@@ -372,6 +417,7 @@ def _fma_chains(n_rows):
 
 fma_chain_64 = _fma_chains(1)
 fma_chains_64x2 = _fma_chains(2)
+fma_chains_64x6 = _fma_chains(6)  # 24 chains: flash attention's tiles, 6 query rows at a time
 
 
 def _first_values(context, builder, array_type, array, count):
