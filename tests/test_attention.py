@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from minillm.kernels.cpu import attention as A
+from minillm.kernels.cpu import ops
 from minillm.kernels.cpu.head_walk import expf_exact
 
 
@@ -63,3 +64,52 @@ def test_walk_equals_ggmls_steps_one_cell_at_a_time(D, G, n_cells):
                          np.float32(1 / math.sqrt(D)))
         for ours, ref in zip(got[:3], got[3:]):
             assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32)), (kvh, D, G)
+
+
+@nb.njit(cache=True)
+def _softmax_rows_both(rows, bias, scale):
+    """Each row (a multiple of 16 values) through the tiled path's vector steps
+    (scaled_masked_max, then exp_sum_rows for AVX-512 and exp_sum_rows8 for AVX2), and through
+    their scalar definitions: ggml_v_expf one lane at a time, each SIMD width's hsum added in
+    double."""
+    n_rows, n = rows.shape
+    outs = np.empty((4, n_rows, n), np.float32)
+    sums = np.empty((4, n_rows))
+    tops = np.empty((2, n_rows), np.float32)
+    for r in range(n_rows):
+        row = rows[r].copy()
+        tops[0, r] = A.scaled_masked_max(row, 0, bias[r], 0, scale, n // 16)
+        scaled = rows[r] * scale + bias[r]
+        tops[1, r] = scaled.max()
+        shift = tops[1, r]
+        for variant in range(2):  # 0: AVX-512, 1: AVX2
+            vec = row.copy()
+            sums[variant, r] = (A.exp_sum_rows(vec, 0, shift, n // 16) if variant == 0
+                                else A.exp_sum_rows8(vec, 0, shift, n // 16))
+            outs[variant, r] = vec
+            ref = np.empty(n, np.float32)
+            for i in range(n):
+                ref[i] = ops.v_expf_avx512(scaled[i] - shift) if variant == 0 else ops.v_expf_avx2(scaled[i] - shift)
+            total = 0.0
+            for at in range(0, n, 16 if variant == 0 else 8):
+                total += np.float64(A._reduce16(ref, at) if variant == 0 else A._reduce8(ref, at))
+            outs[2 + variant, r] = ref
+            sums[2 + variant, r] = total
+    return outs, sums, tops
+
+
+def test_the_tiled_softmax_vector_steps_equal_ggmls_scalar_steps():
+    """The tiled path's softmax rows in vectors (the mask as ggml's 0/-inf bias, the max, ggml_v_expf
+    as built for AVX-512 and for AVX2, the double sum of SIMD-width hsums) bit for bit against
+    the same steps one value at a time, over scores that reach exp's underflow."""
+    rng = np.random.default_rng(7)
+    rows = np.concatenate([rng.normal(0, 3, (60, 64)), rng.uniform(-900, 50, (20, 64))]).astype(np.float32)
+    bias = np.where(rng.random(rows.shape) < 0.3, -np.inf, 0).astype(np.float32)
+    bias[0] = -np.inf  # a row that sees nothing
+    outs, sums, tops = _softmax_rows_both(rows, bias, np.float32(0.125))
+    assert np.array_equal(tops[0], tops[1]) and tops[0, 0] == -np.inf
+    seen = slice(1, None)  # the masked row's shift is -inf (the caller zeroes it)
+    assert np.array_equal(outs[0, seen].view(np.uint32), outs[2, seen].view(np.uint32))
+    assert np.array_equal(outs[1, seen].view(np.uint32), outs[3, seen].view(np.uint32))
+    assert np.array_equal(sums[0, seen], sums[2, seen]) and np.array_equal(sums[1, seen], sums[3, seen])
+    assert (outs[0, seen] == 0).any() and not np.array_equal(outs[0, seen], outs[1, seen])

@@ -27,9 +27,10 @@ import numpy as np
 from .f16 import f16_round, f16_round_finite, f16_value
 from .fma import fma
 from .head_walk import expf_exact, heads_walk_f16, walk_fits
-from .ops import GGML_AVX512, THREADS, v_expf_avx2
-from .simd import (dot_f16_32, dot_f16_64, exp_sum_rows, f16_mad_rows, f16_rescale_add_rows, fma_chain_64, fma_chains_64x2,
-                   fma_chains_64x6, scaled_masked_max, widen_f32)
+from .ops import GGML_AVX512, THREADS
+from .simd import (dot_f16_32, dot_f16_64, exp_sum_rows, exp_sum_rows8, f16_mad_rows, f16_rescale_add_rows,
+                   fma_chain_32, fma_chain_64, fma_chains_32x2, fma_chains_32x3, fma_chains_64x2, fma_chains_64x6,
+                   scaled_masked_max, widen_f32)
 
 Q_TILE = 64           # query rows per tile, and the batch size from which ggml tiles
 KV_TILE = 64          # cells per tile
@@ -41,6 +42,8 @@ SPLIT_PARTS = THREADS
 # ggml's f16 dot product (the one-chunk scores) sums in 16-lane registers where it is built with
 # AVX-512 and in 8-lane ones with AVX2, as its softmax does (ops.GGML_AVX512).
 F16_DOT_STEP = 64 if GGML_AVX512 else 32
+# query rows the tiles' fma chains take at once: 24 accumulators of AVX-512's 32 registers, 12 of AVX2's 16
+CHAIN_ROWS = 6 if GGML_AVX512 else 3
 
 _NO_TABLE = np.zeros(0, np.int64)  # the block table of a sequence's own (unpaged) cache
 # _run_rows's callers pass its first cell and shift as np.int64 and an empty table of their own:
@@ -526,19 +529,29 @@ def _tile_head(q, t0, rows, h, kt, vt, kq, bias, scale, softcap, m, s_sum, vkq):
 
 @nb.njit(inline="always", cache=True, nogil=True)
 def _group_rows(rows_left):
-    """How many of a tile's rows the next _fma_chains takes: 6, then 2, then 1."""
-    return 6 if rows_left >= 6 else 2 if rows_left >= 2 else 1
+    """How many of a tile's rows the next _fma_chains takes: as many as fill the registers
+    (CHAIN_ROWS), then 2, then 1."""
+    return CHAIN_ROWS if rows_left >= CHAIN_ROWS else 2 if rows_left >= 2 else 1
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
 def _fma_chains(n_rows, acc, acc_off, acc_row, mat, m_off, m_stride, s, s_off, s_row, s_step, n):
-    """simd.fma_chains_64x{n_rows} (6, 2 or 1 rows: 24, 8 or 4 chains in registers)."""
-    if n_rows == 6:
-        fma_chains_64x6(acc, acc_off, acc_row, mat, m_off, m_stride, s, s_off, s_row, s_step, n)
-    elif n_rows == 2:
-        fma_chains_64x2(acc, acc_off, acc_row, mat, m_off, m_stride, s, s_off, s_row, s_step, n)
-    else:
-        fma_chain_64(acc, acc_off, acc_row, mat, m_off, m_stride, s, s_off, s_row, s_step, n)
+    """simd's fma chains for n_rows rows (_group_rows) of 64 columns: AVX-512 in one call (4
+    registers a row), AVX2 32 columns a call."""
+    for col in range(0, 64, 64 if GGML_AVX512 else 32):
+        a_at, m_at = acc_off + col, m_off + col
+        if GGML_AVX512 and n_rows == CHAIN_ROWS:
+            fma_chains_64x6(acc, a_at, acc_row, mat, m_at, m_stride, s, s_off, s_row, s_step, n)
+        elif GGML_AVX512 and n_rows == 2:
+            fma_chains_64x2(acc, a_at, acc_row, mat, m_at, m_stride, s, s_off, s_row, s_step, n)
+        elif GGML_AVX512:
+            fma_chain_64(acc, a_at, acc_row, mat, m_at, m_stride, s, s_off, s_row, s_step, n)
+        elif n_rows == CHAIN_ROWS:
+            fma_chains_32x3(acc, a_at, acc_row, mat, m_at, m_stride, s, s_off, s_row, s_step, n)
+        elif n_rows == 2:
+            fma_chains_32x2(acc, a_at, acc_row, mat, m_at, m_stride, s, s_off, s_row, s_step, n)
+        else:
+            fma_chain_32(acc, a_at, acc_row, mat, m_at, m_stride, s, s_off, s_row, s_step, n)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -581,11 +594,7 @@ def _tile_softmax(kq, bias, tq, scale, softcap, m, s_sum, vkq):
     if GGML_AVX512:
         total = exp_sum_rows(kq, at, m_new, KV_TILE // 16)
     else:
-        total = 0.0
-        for tk in range(KV_TILE):
-            kq[tq, tk] = v_expf_avx2(kq[tq, tk] - m_new)
-        for a in range(at, at + KV_TILE, 8):
-            total += np.float64(_reduce8(kq.reshape(Q_TILE * KV_TILE), a))
+        total = exp_sum_rows8(kq, at, m_new, KV_TILE // 16)
     s_sum[tq] = np.float32(np.float64(s_sum[tq]) + total)
 
 

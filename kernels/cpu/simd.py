@@ -256,6 +256,32 @@ def v_expf_vector(builder, x):
     return builder.select(big, limit, scaled)
 
 
+def v_expf_avx2_vector(builder, x):
+    """ggml_v_expf's AVX2 version on 16 lanes, step for step (ops.v_expf_avx2): 2^n in the
+    exponent bits of z, the polynomial without its constant term, then fma(j, 2^n, 2^n); |n| >
+    126 through two factors."""
+    from .ops import (_AVX2_ONE_BITS, _AVX2_SPECIAL_NEG, _EXP_C1, _EXP_C2, _EXP_C3, _EXP_C4, _EXP_C5, _EXP_ROUND,
+                      _LN2_HI, _LN2_LO, _LOG2E)
+    fma_ = lambda a, b, c: _fma(builder, a, b, c)  # noqa: E731
+    ints = lambda v: ir.Constant(_I32X16, [int(v)] * LANES)  # noqa: E731
+    z = fma_(x, _f32(_LOG2E), _f32(_EXP_ROUND))
+    n = builder.fsub(z, _f32(_EXP_ROUND))
+    neg_n = builder.fneg(n)
+    b = fma_(neg_n, _f32(_LN2_LO), fma_(neg_n, _f32(_LN2_HI), x))
+    e = builder.shl(builder.bitcast(z, _I32X16), ints(23))
+    k = builder.bitcast(builder.add(e, ints(_AVX2_ONE_BITS)), _F32X16)
+    u = builder.fmul(b, b)
+    j = fma_(fma_(fma_(_f32(_EXP_C5), b, _f32(_EXP_C4)), u, fma_(_f32(_EXP_C3), b, _f32(_EXP_C2))), u,
+             builder.fmul(_f32(_EXP_C1), b))
+    g = builder.select(builder.fcmp_ordered("<=", n, _f32(0.0)), ints(_AVX2_SPECIAL_NEG), ints(0))
+    s1 = builder.bitcast(builder.add(g, ints(0x7F000000)), _F32X16)
+    s2 = builder.bitcast(builder.sub(e, g), _F32X16)
+    an = builder.select(builder.fcmp_ordered("<", n, _f32(0.0)), builder.fneg(n), n)
+    special = builder.select(builder.fcmp_ordered(">", an, _f32(192.0)), builder.fmul(s1, s1),
+                             builder.fmul(fma_(s2, j, s2), s1))
+    return builder.select(builder.fcmp_ordered(">", an, _f32(126.0)), special, fma_(j, k, k))
+
+
 @intrinsic
 def scaled_masked_max(typingctx, row, row_off, bias, bias_off, scale, n16):
     """row[i] = row[i] * scale + bias[i] for i < 16 * n16 (bias: 0, or -inf where masked, as
@@ -290,30 +316,44 @@ def _larger(builder, a, b):
     return builder.select(builder.fcmp_ordered(">", a, b), a, b)
 
 
-@intrinsic
-def exp_sum_rows(typingctx, row, row_off, shift, n16):
-    """row[i] = ggml_v_expf(row[i] - shift) for i < 16 * n16; returns ggml_vec_soft_max_f32's sum
-    of them: each 16's _mm512_reduce_add_ps (attention._reduce16), added in order in double."""
-    sig = types.float64(row, types.intp, types.float32, types.intp)
+def _exp_sum_rows(lanes):
+    """An intrinsic: row[i] = ggml_v_expf(row[i] - shift) for i < 16 * n16, as ggml builds it
+    with AVX-512 (lanes 16) or AVX2 (8); returns ggml_vec_soft_max_f32's sum of them: each
+    `lanes` values' hsum (attention._reduce16, _reduce8), added in order in double."""
+    @intrinsic
+    def exp_sum_rows(typingctx, row, row_off, shift, n16):
+        sig = types.float64(row, types.intp, types.float32, types.intp)
 
-    def codegen(context, builder, signature, args):
-        row_a, row_o, shift, n = args
-        c = lambda v: ir.Constant(row_o.type, v)  # noqa: E731
-        shift_v = _splat(builder, shift, _F32X16)
+        def codegen(context, builder, signature, args):
+            row_a, row_o, shift, n = args
+            c = lambda v: ir.Constant(row_o.type, v)  # noqa: E731
+            shift_v = _splat(builder, shift, _F32X16)
 
-        def body(i, carried):
-            p = _ptr(context, builder, signature.args[0], row_a, builder.add(row_o, builder.mul(i, c(LANES))), _F32X16)
-            e = v_expf_vector(builder, builder.fsub(builder.load(p, align=4), shift_v))
-            builder.store(e, p, align=4)
-            s4 = _halve(builder, _halve(builder, e, 8), 4)
-            lane = lambda j: builder.extract_element(s4, ir.Constant(_I32, j))  # noqa: E731
-            summed = builder.fadd(builder.fadd(lane(0), lane(2)), builder.fadd(lane(1), lane(3)))
-            return [builder.fadd(carried[0], builder.fpext(summed, ir.DoubleType()))]
+            def body(i, carried):
+                p = _ptr(context, builder, signature.args[0], row_a, builder.add(row_o, builder.mul(i, c(LANES))),
+                         _F32X16)
+                x = builder.fsub(builder.load(p, align=4), shift_v)
+                e = v_expf_vector(builder, x) if lanes == 16 else v_expf_avx2_vector(builder, x)
+                builder.store(e, p, align=4)
+                total = carried[0]
+                for part in range(0, LANES, lanes):
+                    v = builder.shuffle_vector(e, e, ir.Constant(ir.VectorType(_I32, lanes),
+                                                                 list(range(part, part + lanes))))
+                    s4 = _halve(builder, _halve(builder, v, 8) if lanes == 16 else v, 4)
+                    lane = lambda j: builder.extract_element(s4, ir.Constant(_I32, j))  # noqa: E731
+                    summed = builder.fadd(builder.fadd(lane(0), lane(2)), builder.fadd(lane(1), lane(3)))
+                    total = builder.fadd(total, builder.fpext(summed, ir.DoubleType()))
+                return [total]
 
-        (total,) = _loop(builder, n, [ir.Constant(ir.DoubleType(), 0.0)], body)
-        return total
+            (total,) = _loop(builder, n, [ir.Constant(ir.DoubleType(), 0.0)], body)
+            return total
 
-    return sig, codegen
+        return sig, codegen
+
+    return exp_sum_rows
+
+
+exp_sum_rows, exp_sum_rows8 = _exp_sum_rows(16), _exp_sum_rows(8)
 
 
 @intrinsic
@@ -373,13 +413,14 @@ def _loop(builder, n, init, body):
     return finish(body(i, carried))
 
 
-def _fma_chains(n_rows):
-    """An intrinsic: for n_rows rows r and 64 consecutive acc[acc_off + r * acc_row + j], one fma
-    chain each over i in [0, n), in order,
+def _fma_chains(n_rows, width=64):
+    """An intrinsic: for n_rows rows r and `width` (a multiple of 16) consecutive
+    acc[acc_off + r * acc_row + j], one fma chain each over i in [0, n), in order,
     acc = fma(m[m_off + i * m_stride + j], s[s_off + r * s_row + i * s_step], acc), kept in
-    registers. The rows share each step's loads of m, and two rows give the core 8 independent
-    chains (one row's 4 wait on the fma latency). Flash attention's tiles: scores (K^T rows times
-    a query's values) and the V sum (V rows times a row's probabilities)."""
+    registers. The rows share each step's loads of m, and several rows give the core
+    independent chains (one row's wait on the fma latency). Flash attention's tiles: scores
+    (K^T rows times a query's values) and the V sum (V rows times a row's probabilities)."""
+    n_vec = width // 16
 
     @intrinsic
     def fma_chains(typingctx, acc, acc_off, acc_row, m, m_off, m_stride, s, s_off, s_row, s_step, n):
@@ -391,19 +432,19 @@ def _fma_chains(n_rows):
             c = lambda v: ir.Constant(acc_o.type, v)  # noqa: E731
             acc_ptrs = [_ptr(context, builder, signature.args[0], acc_a,
                              builder.add(builder.add(acc_o, builder.mul(acc_r, c(r))), c(16 * k)), _F32X16)
-                        for r in range(n_rows) for k in range(4)]
+                        for r in range(n_rows) for k in range(n_vec)]
             init = [builder.load(p, align=4) for p in acc_ptrs]
             s_data = cgutils.create_struct_proxy(signature.args[6])(context, builder, value=s_a).data
 
             def body(i, carried):
                 row = builder.add(m_o, builder.mul(i, m_st))
                 mv = [builder.load(_ptr(context, builder, signature.args[3], m_a, builder.add(row, c(16 * k)),
-                                        _F32X16), align=4) for k in range(4)]
+                                        _F32X16), align=4) for k in range(n_vec)]
                 out = []
                 for r in range(n_rows):
                     at = builder.add(builder.add(s_o, builder.mul(s_r, c(r))), builder.mul(i, s_st))
                     sv = _splat(builder, builder.load(builder.gep(s_data, [at])), _F32X16)
-                    out += [_fma(builder, mv[k], sv, carried[4 * r + k]) for k in range(4)]
+                    out += [_fma(builder, mv[k], sv, carried[n_vec * r + k]) for k in range(n_vec)]
                 return out
 
             for p, v in zip(acc_ptrs, _loop(builder, n, init, body)):
@@ -418,6 +459,8 @@ def _fma_chains(n_rows):
 fma_chain_64 = _fma_chains(1)
 fma_chains_64x2 = _fma_chains(2)
 fma_chains_64x6 = _fma_chains(6)  # 24 chains: flash attention's tiles, 6 query rows at a time
+# AVX2's 16 registers: 32 columns (4 registers a row) of 3, 2 or 1 rows
+fma_chain_32, fma_chains_32x2, fma_chains_32x3 = _fma_chains(1, 32), _fma_chains(2, 32), _fma_chains(3, 32)
 
 
 def _first_values(context, builder, array_type, array, count):
