@@ -82,3 +82,27 @@ def test_cached_kernels_are_keyed_to_every_source_compiled_code_comes_from(monke
     assert digest == cache_stamp.source_digest() and cache_file._load_index()
     monkeypatch.setattr(cache_file, "_source_stamp", (own_hash, "the digest of other sources"))
     assert cache_file._load_index() == {}
+
+
+def test_arrays_the_kernels_allocate_start_on_a_cache_line():
+    """Importing the kernels makes Numba align the arrays it allocates to 64 bytes (Numba's own
+    is 32, and about half of the arrays below then start 32 bytes off a line): a 64-byte vector
+    load from such a row touches two cache lines."""
+    import numba as nb
+    import numpy as np
+
+    import minillm.kernels.cpu  # noqa: F401
+
+    @nb.njit(parallel=True)
+    def offsets(n):
+        kept = [np.empty(0, np.float32) for _ in range(0)]  # all alive at once
+        off = np.empty(48, np.int64)
+        for i in range(40):
+            kept.append(np.empty(n + 3 * i, np.float32))
+            off[i] = kept[-1].ctypes.data % 64
+        for i in nb.prange(8):  # in a parallel region too
+            off[40 + i] = np.empty(n + i, np.int8).ctypes.data % 64
+        return off
+
+    for n in (5, 1000, 70_000):
+        assert not offsets(n).any()
