@@ -1,7 +1,8 @@
 """Products of float weights (F32, F16, BF16) as llama.cpp's x86 CPU backend computes them. The
 activations are first rounded to the weight's type (layers._round_to_format), as ggml converts
-them to the type's vec_dot type; weight (N, K) holds the weights' float32 values, or for F16
-their float16 bit patterns (uint16), widened as they load (_weight, simd._load_f32x16). Then:
+them to the type's vec_dot type; weight (N, K) holds the weights' bit patterns, which say the
+format (_weight): uint32 F32, uint16 F16 (widened as they load, simd._load_f32x16), int16 BF16;
+or float32 values multiplied as format fmt's (the tests' widened F16 and BF16 weights). Then:
 
 - a batch of 2 rows or more: llamafile's tinyBLAS. Per output one accumulator of LANES floats
   (8 on AVX2, 16 with AVX-512), acc[j] = fma(w[l + j], x[l + j], acc[j]) over steps of LANES
@@ -104,9 +105,9 @@ def _four_rows(w, N, K, quad, xf, xb, fmt, out):
         out[0, n] = _token_dot(w, n * K, xf, K, acc, fmt)
 
 
-# The models' weights say their format by their dtype (uint16: F16 bits, int16: BF16 bits), so
-# the code of each format's dot compiles only where it can run: these choose it when compiling.
-# float32 weights follow fmt (F32's own, or the tests' widened F16 and BF16 values).
+# The models' weights say their format by their dtype (uint32: F32 bits, uint16: F16 bits, int16:
+# BF16 bits), so the code of each format's dot compiles only where it can run: these choose it
+# when compiling. float32 weights follow fmt (the tests' widened values of any format).
 def _token_dot(w, w_at, x, K, acc, fmt):
     """One output of one token: ggml's vec_dot for the format (module doc)."""
 
@@ -119,6 +120,8 @@ def _token_dot_impl(w, w_at, x, K, acc, fmt):
         return lambda w, w_at, x, K, acc, fmt: _vec_dot_bf16(w, w_at, x, 0, K, acc)
     if w.dtype == types.uint16:
         return lambda w, w_at, x, K, acc, fmt: _vec_dot(w, w_at, x, 0, K, True)
+    if w.dtype == types.uint32:
+        return lambda w, w_at, x, K, acc, fmt: _vec_dot(w, w_at, x, 0, K, False)
 
     def any_format(w, w_at, x, K, acc, fmt):
         if fmt == FLOAT_BF16 and GGML_AVX512_BF16:
@@ -257,7 +260,7 @@ def _tiles(w, x, N, K, T, out, lanes, n_w, n_x, step):
 def _widens(w, x) -> bool:
     """Whether the tiles widen w's rows first: 16-bit weights times float32 activations (fma);
     vdpbf16ps takes bfloat16 bits as they are (x holds bits too)."""
-    return w.dtype != types.float32 and x.dtype == types.float32
+    return w.dtype in (types.uint16, types.int16) and x.dtype == types.float32
 
 
 def _wide_rows(w, x, n):
@@ -327,8 +330,8 @@ def _holds_bf16_bits_impl(w):
 
 
 def _weight(w, i):
-    """w[i] as float32: F16 weights are kept as their bit patterns (uint16, half F32's bytes),
-    BF16 weights as theirs (int16: numpy has no bfloat16, and uint16 means float16 here)."""
+    """w[i] as float32: the weights are kept as their bit patterns, F16 as uint16 (half F32's
+    bytes), BF16 as int16 (numpy has no bfloat16, and uint16 means float16 here), F32 as uint32."""
 
 
 @overload(_weight, inline="always")
@@ -337,6 +340,8 @@ def _weight_impl(w, i):
         return lambda w, i: f16_value(w[i])
     if w.dtype == types.int16:
         return lambda w, i: float32_from_bits(np.int32(np.uint16(w[i])) << 16)
+    if w.dtype == types.uint32:
+        return lambda w, i: float32_from_bits(np.int32(w[i]))
     return lambda w, i: w[i]
 
 

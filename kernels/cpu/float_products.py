@@ -6,7 +6,8 @@ layer, and again whenever a model's weights changed the layer's argument types. 
 pointers of one signature, the layer code is the same for every model: a quantized model's
 layers carry no float code and point at no-ops, and a float model compiles only its own
 format's two products (cached on disk like every kernel), when its first matrix loads.
-Weights arrive as the file's bits (uint16; F32 as pairs) and are read as their format here.
+Weights arrive as the file's bits (uint16; F32 as pairs, viewed as uint32: F32's own code only)
+and are read as their format here.
 The addresses travel as plain integers, which Numba types at no cost on every call (a tuple
 holding function objects made each call from Python pay microseconds per object).
 """
@@ -27,7 +28,7 @@ ROWS3 = types.void(_BITS, _BITS, _BITS, types.int64, _ROWS, types.int64, _ROWS, 
 
 
 def _product_f32(w, x, fmt, out):
-    float_matmul(w.view(np.float32), x, fmt, out)
+    float_matmul(w.view(np.uint32), x, fmt, out)
 
 
 def _product_f16(w, x, fmt, out):
@@ -39,7 +40,7 @@ def _product_bf16(w, x, fmt, out):
 
 
 def _rows3_f32(w1, w2, w3, n_mats, x, fmt, o1, o2, o3):
-    float_matvec3(w1.view(np.float32), w2.view(np.float32), w3.view(np.float32), n_mats, x, fmt, o1, o2, o3)
+    float_matvec3(w1.view(np.uint32), w2.view(np.uint32), w3.view(np.uint32), n_mats, x, fmt, o1, o2, o3)
 
 
 def _rows3_f16(w1, w2, w3, n_mats, x, fmt, o1, o2, o3):
