@@ -46,13 +46,13 @@ def float_matmul(weight, x, fmt, out):
     N, K = weight.shape
     T = x.shape[0]
     w, xf = weight.reshape(N * K), x.reshape(T * K)
+    xb = _bf16_bits(xf if _vector_bf16(w, K) else xf[:0])  # (T * K,) x's bits for vdpbf16ps
     if T == 1:
-        xb = _bf16_bits(xf if _vector_bf16(w, K) else xf[:0])
         for quad in nb.prange((N + 3) // 4):
             _four_rows(w, N, K, quad, xf, xb, fmt, out)
         return
     if _vector_bf16(w, K):
-        _dpbf16_products(w, _bf16_bits(xf), N, K, T, out)
+        _dpbf16_products(w, xb, N, K, T, out)
         return
     if K % 16 == 0 and not (fmt == FLOAT_BF16 and GGML_AVX512_BF16):
         _tiny_blas_tiles(w, xf, N, K, T, out)
@@ -210,51 +210,55 @@ def _tiny_blas_tiles_impl(w, x, N, K, T, out):
     if w.dtype == types.int16 and GGML_AVX512_BF16:
         return lambda w, x, N, K, T, out: None
     if LANES == 8:
-        return lambda w, x, N, K, T, out: _tiles_by_batch(w, x, N, K, T, out, fma8_lanes_4x3, fma8_lanes_2x2, 8)
-    return lambda w, x, N, K, T, out: _tiles_by_batch(w, x, N, K, T, out, fma_lanes_4x6, fma_lanes_2x4, 16)
+        return lambda w, x, N, K, T, out: _tiles(w, x, N, K, T, out, fma8_lanes_4x3, fma8_lanes_2x2, 8)
+    return lambda w, x, N, K, T, out: _tiles(w, x, N, K, T, out, fma_lanes_4x6, fma_lanes_2x4, 16)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _tiles_by_batch(w, x, N, K, T, out, tile_lanes, small_lanes, step):
-    """_tiles of TILE's shape (tile_lanes computes them), or SMALL_TILE's under SMALL_BATCH rows."""
-    if T >= SMALL_BATCH:
-        _tiles(w, x, N, K, T, out, tile_lanes, TILE[0], TILE[1], step)
-    else:
-        _tiles(w, x, N, K, T, out, small_lanes, SMALL_TILE[0], SMALL_TILE[1], step)
-
-
-@nb.njit(inline="always", cache=True, nogil=True)
-def _tiles(w, x, N, K, T, out, lanes, n_w, n_x, step):
-    """Tiles of n_w weight rows by n_x activation rows: lanes(...) leaves each output's LANES-lane
-    accumulator over K // step steps, then its hsum. The activations are taken a block of rows
-    at a time, as many as fit X_BLOCK_BYTES, and every tile of weight rows walks the block: each
-    pass over the weights then reads activations from L2, not from memory. Each thread takes a
-    run of tiles and walks every block over them (one parallel region, not one a block); 16-bit
-    weights are widened to float32 once per tile and block (_tile_rows), not once per activation
-    rows. A partial tile repeats its last rows, unused."""
-    block = max(n_x, X_BLOCK_BYTES // (K * x.itemsize) // n_x * n_x)
+def _tiles(w, x, N, K, T, out, tile_lanes, small_lanes, step):
+    """Register tiles of TILE's shape (tile_lanes computes them), or under SMALL_BATCH rows
+    SMALL_TILE's (small_lanes), in one parallel region (one to compile): each thread takes a run
+    of tiles (_run_tiles)."""
+    small = T < SMALL_BATCH
+    n_w = SMALL_TILE[0] if small else TILE[0]
     n_tiles = (N + n_w - 1) // n_w
     n_runs = min(n_tiles, THREADS)
     for run in nb.prange(n_runs):
-        acc = np.empty(n_w * n_x, np.float32)       # (n_w, n_x): each output's lanes, summed
-        w_at = np.empty(n_w, np.int64)              # where each weight row starts
-        x_at = np.empty(n_x, np.int64)              # where each activation row starts
-        wide = _wide_rows(w, x, n_w * K)            # (n_w * K,) the tile's rows widened, if they are
-        wide_at = np.arange(n_w) * K
-        for b0 in range(0, T, block):
-            b1 = min(T, b0 + block)
-            for tile in range(run * n_tiles // n_runs, (run + 1) * n_tiles // n_runs):
-                n0, n_rows = n_w * tile, min(n_w, N - n_w * tile)
-                for k in range(n_w):
-                    w_at[k] = min(n0 + k, N - 1) * K
-                rows, rows_at = _tile_rows(w, x, w_at, K, wide, wide_at)
-                for t0 in range(b0, b1, n_x):
-                    for r in range(n_x):
-                        x_at[r] = min(t0 + r, T - 1) * K
-                    lanes(rows, rows_at, x, x_at, K // step, acc)
-                    for k in range(n_rows):
-                        for r in range(min(n_x, b1 - t0)):
-                            out[t0 + r, n0 + k] = acc[n_x * k + r]
+        first, last = run * n_tiles // n_runs, (run + 1) * n_tiles // n_runs
+        if small:
+            _run_tiles(w, x, N, K, T, out, small_lanes, SMALL_TILE[0], SMALL_TILE[1], step, first, last)
+        else:
+            _run_tiles(w, x, N, K, T, out, tile_lanes, TILE[0], TILE[1], step, first, last)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _run_tiles(w, x, N, K, T, out, lanes, n_w, n_x, step, first, last):
+    """Tiles first..last - 1 of n_w weight rows, by n_x activation rows at a time: lanes(...)
+    leaves each output's LANES-lane accumulator over K // step steps, then its hsum. The
+    activations are taken a block of rows at a time, as many as fit X_BLOCK_BYTES, and every
+    tile walks the block: each pass over the weights then reads activations from L2, not from
+    memory. 16-bit weights are widened to float32 once per tile and block (_tile_rows), not once
+    per activation rows. A partial tile repeats its last rows, unused."""
+    block = max(n_x, X_BLOCK_BYTES // (K * x.itemsize) // n_x * n_x)
+    acc = np.empty(n_w * n_x, np.float32)       # (n_w, n_x): each output's lanes, summed
+    w_at = np.empty(n_w, np.int64)              # where each weight row starts
+    x_at = np.empty(n_x, np.int64)              # where each activation row starts
+    wide = _wide_rows(w, x, n_w * K)            # (n_w * K,) the tile's rows widened, if they are
+    wide_at = np.arange(n_w) * K
+    for b0 in range(0, T, block):
+        b1 = min(T, b0 + block)
+        for tile in range(first, last):
+            n0, n_rows = n_w * tile, min(n_w, N - n_w * tile)
+            for k in range(n_w):
+                w_at[k] = min(n0 + k, N - 1) * K
+            rows, rows_at = _tile_rows(w, x, w_at, K, wide, wide_at)
+            for t0 in range(b0, b1, n_x):
+                for r in range(n_x):
+                    x_at[r] = min(t0 + r, T - 1) * K
+                lanes(rows, rows_at, x, x_at, K // step, acc)
+                for k in range(n_rows):
+                    for r in range(min(n_x, b1 - t0)):
+                        out[t0 + r, n0 + k] = acc[n_x * k + r]
 
 
 def _widens(w, x) -> bool:
@@ -315,7 +319,7 @@ def _dpbf16_products_impl(w, xb, N, K, T, out):
     if w.dtype != types.int16 or not GGML_AVX512_BF16:
         return lambda w, xb, N, K, T, out: None
 
-    return lambda w, xb, N, K, T, out: _tiles_by_batch(w, xb, N, K, T, out, dpbf16_lanes_4x6, dpbf16_lanes_2x4,
+    return lambda w, xb, N, K, T, out: _tiles(w, xb, N, K, T, out, dpbf16_lanes_4x6, dpbf16_lanes_2x4,
                                                        32)
 
 
