@@ -262,6 +262,34 @@ def test_attention_matches_cpu(window, softcap):
     np.testing.assert_allclose(to_host(out), want, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("window,softcap,q_scale", [(0, 0.0, 0.3), (5, 2.0, 1.0)])
+def test_tiled_attention_matches_cpu(window, softcap, q_scale):
+    """64 query rows or more take ggml's tiled path on both (Q in f32, a softmax maximum per
+    64-cell tile, ggml_v_expf, f32 V sums): over a ring with sink cells (rows that see one or two
+    tiles, a window), bit for bit; soft-capped scores (tanh: libm's on the CPU, the device's here)
+    within a rounding."""
+    rng = rng_for("tiled attention", window, softcap)
+    T, H, Hkv, D, S, n_keep = 65, 1, 1, 16, 120, 4
+    q = rng.standard_normal((T, H * D)).astype(np.float32) * 2
+    kc = rng.standard_normal((S, Hkv, D)).astype(np.float16)
+    vc = rng.standard_normal((S, Hkv, D)).astype(np.float16)
+    q_pos = np.arange(65, 65 + T, dtype=np.int64)  # positions 0..129: 130 in 120 slots, 4 kept
+    kv_pos = np.arange(S, dtype=np.int64)
+    kv_pos[4:14] += S - 4  # slots 4..13 hold positions 120..129 (the ring wrapped)
+    want = np.empty((T, H * D), np.float32)
+    cpu_attention(q * np.float32(q_scale), q_pos, kc.view(np.uint16), vc.view(np.uint16), kv_pos, n_keep, window,
+                  np.float32(0.25), np.float32(softcap), H, want)
+
+    out = cuda.device_array((T, H * D), np.float32)
+    gpu.attention(cuda.to_device(q), cuda.to_device(q_pos), cuda.to_device(kc), cuda.to_device(vc),
+                  cuda.to_device(kv_pos), n_keep, window, 0.25, softcap, H, out, q_scale)
+    if softcap:
+        np.testing.assert_allclose(to_host(out), want, rtol=1e-5, atol=1e-6)
+    else:
+        np.testing.assert_array_equal(to_host(out).view(np.uint32), want.view(np.uint32))
+    assert np.abs(want).max() > 0.1 and not np.array_equal(want[0], want[-1])
+
+
 def glu_inputs(name):
     rng = rng_for(name)
     gate = (rng.standard_normal((3, 40)) * 4).astype(np.float32)

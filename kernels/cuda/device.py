@@ -29,6 +29,16 @@ def f16_round(x):
 
 
 @device
+def fma32(a, b, c):
+    """fma(a, b, c) of float32 values, one rounding. The simulator's cuda.fma rounds the
+    product first; there the exact product (in float64) plus c is rounded to float64, then to
+    float32 (a second rounding that changes the result only at rare exact ties)."""
+    if SIMULATOR:
+        return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+    return cuda.fma(np.float32(a), np.float32(b), np.float32(c))
+
+
+@device
 def signed_byte(word, j):
     """Byte j (0 = lowest) of an int32 word, as a signed int8 value."""
     b = (word >> (8 * j)) & 255

@@ -271,14 +271,15 @@ def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, s
     """RoPE on q and k (in place), store k/v in the cache, attention of q * q_scale -> (T, H*D),
     scores soft-capped at softcap (0: not capped).
 
-    q_scale is folded into the score scale: the attention kernel rounds q to f16 before the dot
-    products, and f16(q * s) * (dot scale) == f16(q) * (s * dot scale) exactly when s is a power
-    of two (Gemma 3's 1/sqrt(256)); otherwise the two differ by one f16 rounding of q."""
+    Batches of attention.TILE rows or more scale q itself, as the CPU's layer does. Smaller ones
+    fold q_scale into the score scale: that path rounds q to f16 before the dot products, and
+    f16(q * s) * (dot scale) == f16(q) * (s * dot scale) exactly when s is a power of two
+    (Gemma 3's 1/sqrt(256)); otherwise the two differ by one f16 rounding of q."""
     cos_t, sin_t = rope_table
     rope_store_kv(q, k, v, positions, kv.slots, n_heads, rope_dims, cos_t, sin_t, neox, kv.k, kv.v, kv.kv_pos)
     out = POOL.take((q.shape[0], n_heads * head_dim))
-    scale = np.float32(np.float32(kq_scale) * np.float32(q_scale))
-    return attention(q, positions, kv.k, kv.v, kv.kv_pos, kv.n_keep, window, scale, softcap, n_heads, out)
+    return attention(q, positions, kv.k, kv.v, kv.kv_pos, kv.n_keep, window, kq_scale, softcap, n_heads, out,
+                     q_scale)
 
 
 def add_bias(x, bias):
