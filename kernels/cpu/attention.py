@@ -44,6 +44,7 @@ SPLIT_PARTS = THREADS
 F16_DOT_STEP = 64 if GGML_AVX512 else 32
 # query rows the tiles' fma chains take at once: 24 accumulators of AVX-512's 32 registers, 12 of AVX2's 16
 CHAIN_ROWS = 6 if GGML_AVX512 else 3
+_EXP_SUM_ROWS = exp_sum_rows if GGML_AVX512 else exp_sum_rows8  # ggml_v_expf and its sums as ggml is built
 
 _NO_TABLE = np.zeros(0, np.int64)  # the block table of a sequence's own (unpaged) cache
 # _run_rows's callers pass its first cell and shift as np.int64 and an empty table of their own:
@@ -590,11 +591,7 @@ def _tile_softmax(kq, bias, tq, scale, softcap, m, s_sum, vkq):
             vkq[tq, d] = vkq[tq, d] * ms
         s_sum[tq] = s_sum[tq] * ms
     m[tq] = m_new
-    # ggml_vec_soft_max_f32: a double sum of SIMD-width reductions
-    if GGML_AVX512:
-        total = exp_sum_rows(kq, at, m_new, KV_TILE // 16)
-    else:
-        total = exp_sum_rows8(kq, at, m_new, KV_TILE // 16)
+    total = _EXP_SUM_ROWS(kq, at, m_new, KV_TILE // 16)  # ggml_vec_soft_max_f32's double sum
     s_sum[tq] = np.float32(np.float64(s_sum[tq]) + total)
 
 

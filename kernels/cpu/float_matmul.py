@@ -319,8 +319,7 @@ def _dpbf16_products_impl(w, xb, N, K, T, out):
     if w.dtype != types.int16 or not GGML_AVX512_BF16:
         return lambda w, xb, N, K, T, out: None
 
-    return lambda w, xb, N, K, T, out: _tiles(w, xb, N, K, T, out, dpbf16_lanes_4x6, dpbf16_lanes_2x4,
-                                                       32)
+    return lambda w, xb, N, K, T, out: _tiles(w, xb, N, K, T, out, dpbf16_lanes_4x6, dpbf16_lanes_2x4, 32)
 
 
 def _holds_bf16_bits(w):

@@ -339,10 +339,7 @@ def _exp_sum_rows(lanes):
                 for part in range(0, LANES, lanes):
                     v = builder.shuffle_vector(e, e, ir.Constant(ir.VectorType(_I32, lanes),
                                                                  list(range(part, part + lanes))))
-                    s4 = _halve(builder, _halve(builder, v, 8) if lanes == 16 else v, 4)
-                    lane = lambda j: builder.extract_element(s4, ir.Constant(_I32, j))  # noqa: E731
-                    summed = builder.fadd(builder.fadd(lane(0), lane(2)), builder.fadd(lane(1), lane(3)))
-                    total = builder.fadd(total, builder.fpext(summed, ir.DoubleType()))
+                    total = builder.fadd(total, builder.fpext(_ggml_hsum(builder, v), ir.DoubleType()))
                 return [total]
 
             (total,) = _loop(builder, n, [ir.Constant(ir.DoubleType(), 0.0)], body)
@@ -570,6 +567,15 @@ def prefetch_l2(typingctx, array, start, stop):
     return sig, codegen
 
 
+def _ggml_hsum(builder, v):
+    """The sum of a <16 x float> in _mm512_reduce_add_ps's order (attention._reduce16: halves
+    added 16 -> 8 -> 4, then (0 + 2) + (1 + 3)), or of a <8 x float> in ggml's AVX2 hsum's
+    (_reduce8: 8 -> 4, then the same)."""
+    s4 = _halve(builder, _halve(builder, v, 8) if v.type.count == 16 else v, 4)
+    lane = lambda j: builder.extract_element(s4, ir.Constant(_I32, j))  # noqa: E731
+    return builder.fadd(builder.fadd(lane(0), lane(2)), builder.fadd(lane(1), lane(3)))
+
+
 def _halve(builder, v, n):
     """The first n lanes plus the next n (a 2n-lane vector -> n lanes)."""
     lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
@@ -617,14 +623,11 @@ def _dot_f16(step, ahead):
         def codegen(context, builder, signature, args):
             acc = _dot_f16_accumulators(context, builder, signature, args, step // 16, ahead)
             if step == 64:
-                s16 = builder.fadd(builder.fadd(acc[0], acc[2]), builder.fadd(acc[1], acc[3]))
-            else:
-                s16 = builder.fadd(acc[0], acc[1])  # (0+2)+(1+3) of the 8-lane accumulators
+                return _ggml_hsum(builder, builder.fadd(builder.fadd(acc[0], acc[2]), builder.fadd(acc[1], acc[3])))
+            s16 = builder.fadd(acc[0], acc[1])  # (0+2)+(1+3) of the 8-lane accumulators
             s4 = _halve(builder, _halve(builder, s16, 8), 4)
             lane = lambda j: builder.extract_element(s4, ir.Constant(_I32, j))  # noqa: E731
-            first, second = ((0, 2), (1, 3)) if step == 64 else ((0, 1), (2, 3))
-            return builder.fadd(builder.fadd(lane(first[0]), lane(first[1])),
-                                builder.fadd(lane(second[0]), lane(second[1])))
+            return builder.fadd(builder.fadd(lane(0), lane(1)), builder.fadd(lane(2), lane(3)))
 
         return sig, codegen
 

@@ -162,7 +162,7 @@ def attention_tiled_kernel(q, q_pos, kcache, vcache, kv_pos, n_keep, window, q_s
     D = kcache.shape[2]
     kvh = h // (cuda.gridDim.x // n_kv_heads)
     for d in range(tid, D, TILE):
-        q_sh[d] = q[t, h * D + d] * q_scale if q_scale != 1 else q[t, h * D + d]
+        q_sh[d] = q[t, h * D + d] * q_scale  # times 1: exact
         acc_sh[d] = np.float32(0.0)
     cuda.syncthreads()
     pos = q_pos[t]
@@ -184,7 +184,7 @@ def attention_tiled_kernel(q, q_pos, kcache, vcache, kv_pos, n_keep, window, q_s
         p_sh[tid] = masked
         slot_sh[tid] = slot if held else -1
         cuda.syncthreads()
-        tile_max = NEG_INF
+        tile_max = NEG_INF  # every thread reads the tile: all keep the same max, sum and m
         for i in range(TILE):
             tile_max = max(tile_max, p_sh[i])
         cuda.syncthreads()  # every thread has read the scores
@@ -196,9 +196,9 @@ def attention_tiled_kernel(q, q_pos, kcache, vcache, kv_pos, n_keep, window, q_s
             total = 0.0  # ggml_vec_soft_max_f32: SIMD-width hsums added in double
             for at in range(0, TILE, SIMD_WIDTH):
                 total += np.float64(_hsum(p_sh, at))
-            s_sum = np.float32(np.float64(s_sum * ms if m_new > m else s_sum) + total)
+            s_sum = np.float32(np.float64(s_sum * ms) + total)  # ms 1 (exact) when the max held
             for d in range(tid, D, TILE):
-                a = acc_sh[d] * ms if m_new > m else acc_sh[d]
+                a = acc_sh[d] * ms
                 for i in range(TILE):
                     value = np.float32(vcache[slot_sh[i], kvh, d]) if slot_sh[i] >= 0 else np.float32(0.0)
                     a = fma32(value, p_sh[i], a)
