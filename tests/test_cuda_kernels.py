@@ -27,8 +27,11 @@ from minillm.kernels import cuda as gpu  # noqa: E402
 from minillm.kernels.cpu import matmul as cpu_mm  # noqa: E402
 from minillm.kernels.cpu import ops as cpu_ops  # noqa: E402
 from minillm.kernels.cpu.attention import attention as cpu_attention  # noqa: E402
+from minillm.kernels.cpu.attention import attention_rows as cpu_attention_rows  # noqa: E402
 from minillm.kernels.cpu.unpack import dequantize  # noqa: E402
 from minillm.weights import Matrix  # noqa: E402
+
+gpu_attention = importlib.import_module("minillm.kernels.cuda.attention")  # (the package exports a function of that name)
 
 pytestmark = pytest.mark.cuda
 
@@ -262,6 +265,70 @@ def test_attention_matches_cpu(window, softcap):
     np.testing.assert_allclose(to_host(out), want, rtol=2e-3, atol=2e-3)
 
 
+def test_a_lone_query_over_a_long_context_splits_its_cells_as_the_cpu_does():
+    """One query over 700 cells (600 kept, a window): ggml's split path, its cells cut into
+    runs (as many as the CPU's threads under the simulator) merged in order; and a lone query
+    at position 300 (one run): both as the CPU computes them."""
+    rng = rng_for("split attention")
+    H, Hkv, D, S = 4, 2, 16, 768
+    kc = rng.standard_normal((S, Hkv, D)).astype(np.float16)
+    vc = rng.standard_normal((S, Hkv, D)).astype(np.float16)
+    kv_pos = np.arange(S, dtype=np.int64)
+    kv_pos[700:] = -1
+    parts = gpu_attention.split_parts(H)
+    assert parts == cpu_ops.THREADS
+    for pos, window in ((699, 0), (699, 600), (300, 0)):
+        q = rng.standard_normal((1, H * D)).astype(np.float32)
+        q_pos = np.array([pos], np.int64)
+        want = np.empty((1, H * D), np.float32)
+        cpu_attention(q, q_pos, kc.view(np.uint16), vc.view(np.uint16), kv_pos, 0, window, np.float32(0.25),
+                      np.float32(0.0), H, want)
+        out = cuda.device_array((1, H * D), np.float32)
+        gpu.attention(cuda.to_device(q), cuda.to_device(q_pos), cuda.to_device(kc), cuda.to_device(vc),
+                      cuda.to_device(kv_pos), 0, window, 0.25, 0.0, H, out)
+        np.testing.assert_allclose(to_host(out), want, rtol=2e-3, atol=2e-3)
+
+
+def test_paged_rows_attend_each_as_a_lone_query():
+    """The scheduler's rows: three sequences' cells in a shared pool of 16-row blocks (tables
+    in no particular order, a sequence past the split threshold), each row as the CPU's
+    attention_rows computes it; a row's result does not depend on the other rows."""
+    rng = rng_for("paged attention")
+    H, Hkv, D, shift, n_slots = 2, 1, 16, 4, 640
+    n_blocks = 3 * n_slots // 16
+    kc = rng.standard_normal((n_blocks * 16, Hkv, D)).astype(np.float16)
+    vc = rng.standard_normal((n_blocks * 16, Hkv, D)).astype(np.float16)
+    lengths = [600, 40, 9]
+    tables = np.full((3, n_slots // 16), -1, np.int64)
+    order = rng.permutation(n_blocks)
+    kv_pos = np.full(n_blocks * 16, -1, np.int64)
+    used = 0
+    for seq, n in enumerate(lengths):
+        for e in range(-(-n // 16)):
+            tables[seq, e] = order[used]
+            used += 1
+        rows = (tables[seq, np.arange(n) >> 4] << 4) | (np.arange(n) & 15)
+        kv_pos[rows] = np.arange(n)
+    row_seq = np.array([1, 0, 2, 1], np.int64)
+    q_pos = np.array([39, 599, 8, 20], np.int64)
+    q = rng.standard_normal((4, H * D)).astype(np.float32)
+    want = np.empty((4, H * D), np.float32)
+    cpu_attention_rows(q, q_pos, row_seq, tables, shift, n_slots, 0, kc.view(np.uint16), vc.view(np.uint16), kv_pos,
+                       0, np.float32(0.25), np.float32(0.0), H, want)
+    args = [cuda.to_device(a) for a in (kc, vc, kv_pos)]
+
+    def gpu_rows(rows):
+        out = cuda.device_array((len(rows), H * D), np.float32)
+        gpu.attention_rows(cuda.to_device(q[rows]), cuda.to_device(q_pos[rows]), cuda.to_device(row_seq[rows]),
+                           cuda.to_device(tables), shift, n_slots, *args, 0, 0.25, 0.0, H, out)
+        return to_host(out)
+
+    together = gpu_rows([0, 1, 2, 3])
+    np.testing.assert_allclose(together, want, rtol=2e-3, atol=2e-3)
+    np.testing.assert_array_equal(gpu_rows([1]), together[1:2])
+    np.testing.assert_array_equal(gpu_rows([3, 2]), together[[3, 2]])
+
+
 @pytest.mark.parametrize("window,softcap,q_scale", [(0, 0.0, 0.3), (5, 2.0, 1.0)])
 def test_tiled_attention_matches_cpu(window, softcap, q_scale):
     """64 query rows or more take ggml's tiled path on both (Q in f32, a softmax maximum per
@@ -345,7 +412,7 @@ def test_add_inplace_matches_cpu():
 # ---------------------------------------------------------------------------------------------
 def _is_kernel(obj) -> bool:
     """A numba.cuda kernel object (simulated or real), not a device function."""
-    kernel_type = type(gpu.attention_kernel)
+    kernel_type = type(gpu_attention.attention_runs_kernel)
     if not isinstance(obj, kernel_type):
         return False
     device = getattr(obj, "_device", None)  # the simulator's kernels

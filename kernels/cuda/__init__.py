@@ -24,7 +24,7 @@ import numpy as _np
 if not hasattr(_np, "row_stack"):
     _np.row_stack = _np.vstack
 
-from .attention import attention, attention_kernel  # noqa: E402 (after the numpy alias)
+from .attention import attention, attention_rows  # noqa: E402 (after the numpy alias)
 from .matmul import (
     FWeights, QWeights, fmatmul, qmatmul, round_activations, upload_blocks, upload_float_matrix,
 )
@@ -34,6 +34,6 @@ from .registry import KERNELS
 
 __all__ = [
     "GLU_GELU", "GLU_SILU", "KERNELS", "FWeights", "QActivations", "QWeights", "add_inplace", "attention",
-    "attention_kernel", "fmatmul", "geglu", "glu_quantize", "qmatmul", "quantize", "rmsnorm", "rmsnorm_quantize",
+    "attention_rows", "fmatmul", "geglu", "glu_quantize", "qmatmul", "quantize", "rmsnorm", "rmsnorm_quantize",
     "rope_store_kv", "round_activations", "store_kv", "swiglu", "upload_blocks", "upload_float_matrix",
 ]

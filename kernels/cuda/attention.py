@@ -2,14 +2,15 @@
 with the arithmetic of minillm.kernels.cpu.attention (ggml's CPU flash_attn_ext with F16 K/V),
 whose path depends on the batch:
 
-- fewer than TILE query rows (attention_kernel): ggml's one chunk. Q rounded to f16, f32 scores,
-  online softmax in f32, the running V sum rounded to f16 after every update, keys visited in
-  position order (the order matters to the f16 sums; position p sits in slot p below n_keep,
-  else in the ring after it). One thread block per (head, token); the keys are taken in chunks
-  of blockDim.x:
-    1. each thread scores one key of the chunk (masked keys score -inf) into shared memory;
-    2. each thread owns some of the D dimensions and replays the online softmax over the
-       chunk's scores in order, so every thread keeps the same max and sum without further syncs.
+- fewer than TILE query rows (attention_runs_kernel, then merge_runs_kernel): ggml's one chunk.
+  Q rounded to f16, f32 scores, online softmax in f32, the running V sum rounded to f16 after
+  every update, keys visited in position order (the order matters to the f16 sums; position p
+  sits in slot p below n_keep, else in the ring after it). A lone query over SPLIT_MIN_CELLS
+  cells or more takes ggml's split path (flash-decoding): its cells cut into runs, each run one
+  chunk in a thread block of its own, the runs merged in order. The CPU cuts one run per thread;
+  a GPU takes enough runs to fill its multiprocessors (split_parts), so that a long context uses
+  the whole GPU. The batching scheduler's rows (attention_rows) each take this path as a lone
+  query, their cells read through block tables.
 - TILE query rows or more (attention_tiled_kernel): ggml's tiled path. Q in f32, each score one
   fma chain over the head's values, cells in tiles of TILE with one softmax maximum per tile,
   exp by ggml_v_expf (v_expf), the tile's sum of exps in double over SIMD-width hsums, the V
@@ -19,6 +20,7 @@ whose path depends on the batch:
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -26,93 +28,168 @@ from numba import cuda
 
 from ..cpu.ops import (_EXP_C1, _EXP_C2, _EXP_C3, _EXP_C4, _EXP_C5, _EXP_ROUND, _LN2_HI, _LN2_LO, _LOG2E,
                        GGML_AVX512)
-from .device import NEG_INF, f16_round, fma32, pow2_threads
+from ..cpu.ops import THREADS as CPU_SPLIT_PARTS  # the CPU's split path: a run per thread
+from .device import NEG_INF, SIMULATOR, f16_round, fma32, pow2_threads
 from .launch import launch
 from .registry import device, kernel
 
 MAX_HEAD_DIM = 512
 MAX_THREADS = 128
+MAX_SPLIT = 32  # the most runs a lone query's cells are cut into on a GPU
 TILE = 64   # the CPU's Q_TILE and KV_TILE: from this many query rows, cells in tiles of this many
 SIMD_WIDTH = 16 if GGML_AVX512 else 8  # the lanes of ggml's softmax sums (the host CPU's build)
 
-_SIG = ("void(float32[:, ::1], int64[::1], float16[:, :, ::1], float16[:, :, ::1], int64[::1], int64, "
-        "int64, float32, float32, float32[:, ::1])")
+# the split path (one query over this many padded cells or more, cut into runs), as the CPU's
+SPLIT_MIN_CELLS = 512
+KV_PAD = 256  # llama.cpp's cells handed to attention: a multiple of this
+
+_RUNS_SIG = ("void(float32[:, ::1], int64[::1], int64[::1], int64[:, ::1], int64, int64, float16[:, :, ::1], "
+             "float16[:, :, ::1], int64[::1], int64, int64, float32, float32, boolean, "
+             "float32[:, :, :, ::1], float32[:, :, ::1], float32[:, :, ::1])")
 
 
 @device
 def _slot(cell, n_keep, n_slots):
     """The slot that holds position `cell` (if the ring still has it)."""
-    if cell < n_keep:
+    if cell < n_slots:
         return cell
     return n_keep + (cell - n_keep) % (n_slots - n_keep)
 
 
-@kernel(_SIG)
-def attention_kernel(q, q_pos, kcache, vcache, kv_pos, n_keep, window, scale, softcap, out):
-    """q (T, H*D) float32, q_pos (T,); kcache/vcache (S, Hkv, D) float16; kv_pos (S,) the logical
-    position in each slot (-1: empty); positions [0, q_pos[t]] are scanned in order, each read
-from its slot when the ring still holds it. window
-    0: unlimited, else a key at position p is visible from position i when 0 <= i - p < window.
-    softcap (0: none): scores capped at softcap * tanh(score / softcap), scale already divided.
-    out (T, H*D).
-    Grid (H, T), block (n,) with n <= MAX_THREADS."""
+@device
+def _row(slot, row_seq, tables, shift, t):
+    """The cache row of row t's slot: the slot itself in a sequence's own cache (row_seq
+    empty), else through t's sequence's block table of blocks of 2^shift rows (-1: no block)."""
+    if row_seq.shape[0] == 0:
+        return slot
+    block = tables[row_seq[t], slot >> shift]
+    if block < 0:
+        return -1
+    return (block << shift) | (slot & ((1 << shift) - 1))
+
+
+@device
+def _run_cells(pos, part, parts):
+    """Cells [first, last) of run `part` of the `parts` equal runs that a query at pos's padded
+    cells are cut into (as the CPU's)."""
+    n_cells = (pos + KV_PAD) // KV_PAD * KV_PAD
+    run = (n_cells + parts - 1) // parts
+    return part * run, min((part + 1) * run, n_cells)
+
+
+@kernel(_RUNS_SIG)
+def attention_runs_kernel(q, q_pos, row_seq, tables, shift, n_slots, kcache, vcache, kv_pos, n_keep, window, scale,
+                          softcap, split, acc, m_out, s_out):
+    """ggml's one chunk over one run of row t's cells, for head h: grid (H, T, P), block (n,)
+    with n <= MAX_THREADS; (h, t, part) = blockIdx. Row t at position q_pos[t] sees the cells
+    of its own cache (row_seq empty: the cache's n_slots slots are its rows) or of its sequence
+    row_seq[t] in a shared pool (each slot's row through tables[seq], blocks of 2^shift rows).
+    With `split`, a row over SPLIT_MIN_CELLS padded cells or more is cut into P runs (one per
+    blockIdx.z), else (and without split) run 0 takes every cell and the others are empty.
+    q (T, H*D) float32; kcache/vcache (rows, Hkv, D) float16; kv_pos (rows,) the position each
+    row holds (-1: none); window 0: unlimited, else a key at p is visible from i when
+    0 <= i - p < window; softcap (0: none): scores capped at softcap * tanh(score / softcap),
+    scale already divided. Results: acc (T, P, H, D) the run's unnormalized V sum (f16 values),
+    m_out and s_out (T, P, H) its running max and sum (s 0: an empty run).
+
+    The run's keys are taken in chunks of blockDim.x, in position order (the order matters to
+    the f16 sums): each thread scores one key of the chunk into shared memory, then each thread,
+    owning some of the D dimensions, replays the online softmax over the chunk's scores in order,
+    so that every thread keeps the same max and sum without further syncs."""
     q_sh = cuda.shared.array(MAX_HEAD_DIM, np.float32)     # (D,) the query, f16-rounded
     acc_sh = cuda.shared.array(MAX_HEAD_DIM, np.float32)   # (D,) running V sum (f16 values)
     score_sh = cuda.shared.array(MAX_THREADS, np.float32)  # (chunk,) scores of the chunk's keys
-    slot_sh = cuda.shared.array(MAX_THREADS, np.int64)     # (chunk,) their slots
+    row_sh = cuda.shared.array(MAX_THREADS, np.int64)      # (chunk,) their cache rows
     h = cuda.blockIdx.x
     t = cuda.blockIdx.y
+    part = cuda.blockIdx.z
     tid = cuda.threadIdx.x
     chunk = cuda.blockDim.x
     n_kv_heads = kcache.shape[1]
     D = kcache.shape[2]
     kvh = h // (cuda.gridDim.x // n_kv_heads)
+    pos = q_pos[t]
+    parts = cuda.gridDim.z if split and _run_cells(pos, 0, 1)[1] >= SPLIT_MIN_CELLS else 1
+    first, last = _run_cells(pos, part, parts) if part < parts else (0, 0)
+    first = max(first, max(0, pos - window + 1) if window > 0 else 0)
+    last = min(last, pos + 1)
+    # a cache that wrapped its ring has forgotten cells [n_keep, ring_start): nothing to visit
+    newest = pos if row_seq.shape[0] else q_pos[q_pos.shape[0] - 1]
+    ring_start = max(n_keep, newest + 1 - (n_slots - n_keep))
     for d in range(tid, D, chunk):
         q_sh[d] = f16_round(q[t, h * D + d])
         acc_sh[d] = np.float32(0.0)
     cuda.syncthreads()
-    pos = q_pos[t]
     m = NEG_INF
     s_sum = np.float32(0.0)
-    first = max(0, pos - window + 1) if window > 0 else 0
-    n_slots = kcache.shape[0]
-    for c0 in range(first, pos + 1, chunk):
+    c0 = first
+    while c0 < last:
+        if n_keep <= c0 < ring_start:  # (uniform across the block: every thread skips alike)
+            c0 = min(ring_start, last)
+            continue
         score = NEG_INF
-        slot = 0
+        row = -1
         cell = c0 + tid
-        if cell <= pos:
-            slot = _slot(cell, n_keep, n_slots)
-            if kv_pos[slot] == cell:
+        if cell < last and not (n_keep <= cell < ring_start):
+            row = _row(_slot(cell, n_keep, n_slots), row_seq, tables, shift, t)
+            if row >= 0 and kv_pos[row] == cell:
                 dot = np.float32(0.0)
                 for d in range(D):
-                    dot += q_sh[d] * np.float32(kcache[slot, kvh, d])
+                    dot += q_sh[d] * np.float32(kcache[row, kvh, d])
                 score = dot * scale
                 if softcap != 0:
                     score = softcap * np.float32(math.tanh(score))
         score_sh[tid] = score
-        slot_sh[tid] = slot
+        row_sh[tid] = row
         cuda.syncthreads()
-        for i in range(min(chunk, pos + 1 - c0)):
+        for i in range(min(chunk, last - c0)):
             sc = score_sh[i]
             if sc == NEG_INF:
                 continue
-            slot = slot_sh[i]
+            row = row_sh[i]
             if sc > m:
                 ms = np.float32(math.exp(m - sc)) if m > NEG_INF else np.float32(0.0)
                 m = sc
                 for d in range(tid, D, chunk):
                     rescaled = f16_round(acc_sh[d] * ms)
-                    acc_sh[d] = f16_round(rescaled + np.float32(vcache[slot, kvh, d]))
-                s_sum = s_sum * ms + np.float32(1.0)
+                    acc_sh[d] = f16_round(rescaled + np.float32(vcache[row, kvh, d]))
+                s_sum = fma32(s_sum, ms, np.float32(1.0))
             else:
                 vs = np.float32(math.exp(sc - m))
                 for d in range(tid, D, chunk):
-                    acc_sh[d] = f16_round(acc_sh[d] + np.float32(vcache[slot, kvh, d]) * vs)
+                    acc_sh[d] = f16_round(fma32(np.float32(vcache[row, kvh, d]), vs, acc_sh[d]))
                 s_sum = s_sum + vs
         cuda.syncthreads()  # score_sh is refilled by the next chunk
-    inv = np.float32(1.0) / s_sum if s_sum > 0 else np.float32(0.0)
+        c0 += chunk
     for d in range(tid, D, chunk):
-        out[t, h * D + d] = acc_sh[d] * inv
+        acc[t, part, h, d] = acc_sh[d]
+    if tid == 0:
+        m_out[t, part, h] = m
+        s_out[t, part, h] = s_sum
+
+
+@kernel("void(float32[:, :, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1])")
+def merge_runs_kernel(acc, m, s_sum, out):
+    """out[t, h*D:(h+1)*D] from the runs of attention_runs_kernel (acc (T, P, H, D), m and s_sum
+    (T, P, H)), merged in order as ggml_flash_attn_ext_reduce_partials (empty runs left out).
+    A row of one run comes out as ggml's one chunk normalizes it: fma(0, 0, acc * 1) is acc.
+    Grid (H, T), block (n,): threads over D."""
+    h = cuda.blockIdx.x
+    t = cuda.blockIdx.y
+    for d in range(cuda.threadIdx.x, acc.shape[3], cuda.blockDim.x):
+        total = np.float32(0.0)
+        m_all = NEG_INF
+        s_all = np.float32(0.0)
+        for part in range(acc.shape[1]):
+            if s_sum[t, part, h] == 0:
+                continue
+            m_new = max(m_all, m[t, part, h])
+            scale_old = np.float32(math.exp(m_all - m_new))
+            scale_new = np.float32(math.exp(m[t, part, h] - m_new))
+            total = fma32(total, scale_old, acc[t, part, h, d] * scale_new)
+            s_all = fma32(s_all, scale_old, s_sum[t, part, h] * scale_new)
+            m_all = m_new
+        out[t, h * acc.shape[3] + d] = total * (np.float32(1.0) / s_all) if s_all != 0 else np.float32(0.0)
 
 
 _TILED_SIG = ("void(float32[:, ::1], int64[::1], float16[:, :, ::1], float16[:, :, ::1], int64[::1], int64, "
@@ -222,25 +299,71 @@ def _hsum(p, at):
     return ((p[at] + p[at + 4]) + (p[at + 2] + p[at + 6])) + ((p[at + 1] + p[at + 5]) + (p[at + 3] + p[at + 7]))
 
 
+def split_parts(n_heads: int) -> int:
+    """The runs a lone query's cells are cut into from SPLIT_MIN_CELLS on (flash-decoding): on a
+    GPU enough (head, run) blocks to fill its multiprocessors twice, at most MAX_SPLIT; under
+    the simulator the CPU's count, so that the tests compare the two paths' arithmetic."""
+    if SIMULATOR:
+        return CPU_SPLIT_PARTS
+    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    return max(1, min(MAX_SPLIT, -(-2 * sms // n_heads)))
+
+
+@functools.cache
+def _own_cache():
+    """row_seq and tables of a sequence's own cache (no paging): empty device arrays."""
+    return cuda.to_device(np.zeros(0, np.int64)), cuda.to_device(np.zeros((1, 1), np.int64))
+
+
+def _check_heads(kcache, n_heads: int) -> None:
+    if kcache.shape[2] > MAX_HEAD_DIM or n_heads % kcache.shape[1]:
+        raise ValueError(f"unsupported heads: {n_heads} query heads, {kcache.shape[1]} KV heads of {kcache.shape[2]}")
+
+
+def _capped_scale(scale: float, softcap: float) -> np.float32:
+    """As ggml: with soft-capping, the scale divided by the cap (the capped score is multiplied by it)."""
+    return np.float32(np.float32(scale) / np.float32(softcap)) if softcap else np.float32(scale)
+
+
 def attention(q, q_pos, kcache, vcache, kv_pos, n_keep: int, window: int, scale: float, softcap: float,
-              n_heads: int, out, q_scale: float = 1.0):
-    """Launch the path ggml takes for T = q.shape[0] rows (module doc; device arrays, shapes as
-    in attention_kernel's doc) of q times q_scale: the tiled path scales q as the CPU's layer
-    does; the one-chunk path, which rounds q to f16, takes q_scale into the scores' scale (exact
-    for a power of two, see layers.rope_attend)."""
+              n_heads: int, out, q_scale: float = 1.0, take=None):
+    """Launch the path ggml takes for T = q.shape[0] rows of q times q_scale over a sequence's own
+    cache (module doc; device arrays, shapes as in attention_runs_kernel's doc): the tiled path
+    scales q as the CPU's layer does; the one-chunk path, which rounds q to f16, takes q_scale
+    into the scores' scale (exact for a power of two, see layers.rope_attend). A lone query takes
+    the split path. take(shape): device float32 scratch (default: new arrays)."""
     T = q.shape[0]
-    D = kcache.shape[2]
-    if D > MAX_HEAD_DIM or n_heads % kcache.shape[1]:
-        raise ValueError(f"unsupported heads: {n_heads} query heads, {kcache.shape[1]} KV heads of {D}")
-    if T < TILE:
-        scale = np.float32(np.float32(scale) * np.float32(q_scale))
-    if softcap:  # as ggml: the scale divided by the cap, the capped score multiplied by it
-        scale = np.float32(np.float32(scale) / np.float32(softcap))
+    _check_heads(kcache, n_heads)
     if T >= TILE:
         launch(attention_tiled_kernel, (n_heads, T), TILE, q, q_pos, kcache, vcache, kv_pos, int(n_keep),
-               int(window), np.float32(q_scale), np.float32(scale), np.float32(softcap), out)
+               int(window), np.float32(q_scale), _capped_scale(scale, softcap), np.float32(softcap), out)
         return out
+    row_seq, tables = _own_cache()
+    return _runs(q, q_pos, row_seq, tables, 0, kcache.shape[0], kcache, vcache, kv_pos, n_keep, window,
+                 np.float32(scale) * np.float32(q_scale), softcap, n_heads, out, T == 1, take)
+
+
+def attention_rows(q, q_pos, row_seq, tables, shift: int, n_slots: int, kcache, vcache, kv_pos, window: int,
+                   scale: float, softcap: float, n_heads: int, out, q_scale: float = 1.0, take=None):
+    """Each row t of q over the cells of its sequence row_seq[t] in a shared pool (block tables
+    (n_seq, blocks) of 2^shift rows, n_slots slots a sequence sees), exactly as `attention`
+    computes a lone query at its position q_pos[t], whatever the other rows (the batching
+    scheduler's rows)."""
+    _check_heads(kcache, n_heads)
+    return _runs(q, q_pos, row_seq, tables, shift, n_slots, kcache, vcache, kv_pos, 0, window,
+                 np.float32(scale) * np.float32(q_scale), softcap, n_heads, out, True, take)
+
+
+def _runs(q, q_pos, row_seq, tables, shift, n_slots, kcache, vcache, kv_pos, n_keep, window, scale, softcap, n_heads,
+          out, split: bool, take):
+    """attention_runs_kernel over split_parts runs (one without split), then merge_runs_kernel."""
+    T, D = q.shape[0], kcache.shape[2]
+    parts = split_parts(n_heads) if split else 1
+    take = take or (lambda shape: cuda.device_array(shape, np.float32))
+    acc, m, s_sum = take((T, parts, n_heads, D)), take((T, parts, n_heads)), take((T, parts, n_heads))
     threads = pow2_threads(max(D, min(kcache.shape[0], MAX_THREADS)), hi=MAX_THREADS)
-    launch(attention_kernel, (n_heads, T), threads, q, q_pos, kcache, vcache, kv_pos, int(n_keep), int(window),
-           np.float32(scale), np.float32(softcap), out)
+    launch(attention_runs_kernel, (n_heads, T, parts), threads, q, q_pos, row_seq, tables, int(shift), int(n_slots),
+           kcache, vcache, kv_pos, int(n_keep), int(window), _capped_scale(scale, softcap), np.float32(softcap),
+           bool(split), acc, m, s_sum)
+    launch(merge_runs_kernel, (n_heads, T), pow2_threads(D, hi=MAX_THREADS), acc, m, s_sum, out)
     return out
