@@ -54,7 +54,8 @@ class FakeBackend:
     end token after any id in eos_after); it records every call's rows and can fail once."""
     device = "fake"
 
-    def __init__(self):
+    def __init__(self, arch: FakeArch):
+        self.arch = arch
         self.steps: list[int] = []      # rows evaluated by each forward_rows call
         self.eos_after: set[int] = set()
         self.fail_next: Exception | None = None
@@ -62,6 +63,12 @@ class FakeBackend:
     def check_supports(self, feature: str) -> None:
         if feature != "rows":
             raise NotOnThisBackend(f"{feature} does not run on the fake backend")
+
+    def pool_budget(self) -> None:
+        return None
+
+    def pool_arrays(self, row_counts: list[int], cache_type: str) -> list[np.ndarray]:
+        return [np.zeros((n, 1, 32), np.uint16) for n in row_counts]
 
     def forward_rows(self, ids, positions, kv_of, out_from: int, n_ctx: int) -> np.ndarray:
         kv_of(0)  # the pool's views must be buildable for every row
@@ -81,7 +88,7 @@ class FakeModel:
     def __init__(self, n_ctx_train: int = 512):
         self.arch = FakeArch(n_ctx_train)
         self.hp = self.arch.hp
-        self.backend = FakeBackend()
+        self.backend = FakeBackend(self.arch)
         self.tokenizer = FakeTokenizer()
         self.cache_types = F16_CACHE
         self.n_vocab = N_VOCAB

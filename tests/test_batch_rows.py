@@ -49,7 +49,7 @@ def test_rows_of_a_mixed_batch_equal_each_sequence_alone(tmp_path, arch, fmt):
     chunks = (128, 100, 50, 22) if long else (30, 20, 5, 5)
     seqs = {0: rng.integers(0, sm.n_vocab, sum(chunks)), 1: rng.integers(0, sm.n_vocab, 23),
             2: rng.integers(0, sm.n_vocab, 20)}
-    pool = KVPool(model.arch, n_seqs=3, n_ctx=512, n_cells=3 * 512, n_batch=128)
+    pool = KVPool(model.backend, n_seqs=3, n_ctx=512, n_cells=3 * 512, n_batch=128)
     steps = [[(0, chunks[0]), (1, 9)], [(0, chunks[1]), (1, 5), (2, 12)], [(0, chunks[2]), (1, 1)],
              [(1, 1), (0, chunks[3]), (2, 1)]]
     steps += [[(1, 1), (2, 1)]] * 7
@@ -63,7 +63,7 @@ def test_rows_of_a_mixed_batch_equal_each_sequence_alone(tmp_path, arch, fmt):
 def test_pool_hands_out_and_takes_back_blocks(tmp_path):
     sm = SyntheticModel("gemma3", "Q8_0", n_layer=7).build()
     model = minillm.load(sm.write(tmp_path / "m.gguf"))
-    pool = KVPool(model.arch, n_seqs=2, n_ctx=256, n_cells=300, n_batch=16)
+    pool = KVPool(model.backend, n_seqs=2, n_ctx=256, n_cells=300, n_batch=16)
     assert pool.n_cells == 304 and pool.free_cells == 304  # whole blocks of BLOCK cells
     needed = pool.blocks_needed(0, 0, 40)
     assert len(needed["global"]) == 3 and len(needed["local"]) == 2  # the ring of 8 + 16 slots

@@ -31,7 +31,9 @@ from minillm.kernels.cpu.attention import attention_rows as cpu_attention_rows  
 from minillm.kernels.cpu.unpack import dequantize  # noqa: E402
 from minillm.weights import Matrix  # noqa: E402
 
-gpu_attention = importlib.import_module("minillm.kernels.cuda.attention")  # (the package exports a function of that name)
+# modules the package shadows with functions of their names
+gpu_attention = importlib.import_module("minillm.kernels.cuda.attention")
+gpu_matmul = importlib.import_module("minillm.kernels.cuda.matmul")
 
 pytestmark = pytest.mark.cuda
 
@@ -149,6 +151,34 @@ def test_qmatmul_matches_cpu(fmt, T, path):
     out = cuda.device_array((T, N), np.float32)
     gpu.qmatmul(w, act, out, batched=path == "tiled")
     assert_close(to_host(out), want, 1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "F16"])
+def test_matvec_products_give_a_row_the_same_sums_in_any_batch(fmt):
+    """The scheduler's rows take the matrix-vector kernels at any batch size (blocks of
+    MATVEC_MAX_T tokens): 6 rows at once equal each row alone, bit for bit."""
+    f = FORMATS_BY_NAME[fmt]
+    rng = rng_for("matvec rows", fmt)
+    N, K, T = 6, 64, gpu_matmul.MATVEC_MAX_T + 2
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    if f.quantized:
+        w = gpu.upload_blocks(f, random_blocks(fmt, N, K, rng), K)
+
+        def product(rows):
+            out = cuda.device_array((len(rows), N), np.float32)
+            act = gpu.quantize(cuda.to_device(x[rows]), KINDS[f.activation])
+            return to_host(gpu.qmatmul(w, act, out, batched=False))
+    else:
+        raw = np.ascontiguousarray(float_tensor(fmt, N, K, rng)).view(np.uint8).reshape(N, -1)
+        w = gpu.upload_float_matrix(dequantize(f, raw, K), fmt)
+
+        def product(rows):
+            out = cuda.device_array((len(rows), N), np.float32)
+            return to_host(gpu.fmatmul(w, cuda.to_device(x[rows]), out, batched=False))
+
+    together = product(list(range(T)))
+    for t in (0, T - 1):
+        np.testing.assert_array_equal(product([t]), together[t:t + 1])
 
 
 def round_like_weights(x: np.ndarray, fmt: str) -> np.ndarray:

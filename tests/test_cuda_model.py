@@ -345,11 +345,11 @@ def test_a_toolchain_that_cannot_compile_is_one_clear_error(model_files, monkeyp
 from minillm.backends import cuda as cuda_backend_module  # noqa: E402
 from minillm.kernels.cuda.launch import COUNTS, Replay  # noqa: E402
 
-# a Llama layer's decode step: norm + quantize, q/k/v stacked, RoPE + store, attention, quantize,
-# o, add, norm + quantize, gate/up stacked, SwiGLU + quantize, down, add (biases and scales
-# absent: no launch); then the output norm, quantize and product
-LAUNCHES_PER_LLAMA_LAYER = 12
-LAUNCHES_PER_LLAMA_LAYER_UNSTACKED = 15  # with the tiled kernels (BATCHED): a launch a matrix
+# a Llama layer's decode step: norm + quantize, q/k/v stacked, RoPE + store, attention (its runs,
+# then their merge), quantize, o, add, norm + quantize, gate/up stacked, SwiGLU + quantize, down,
+# add (biases and scales absent: no launch); then the output norm, quantize and product
+LAUNCHES_PER_LLAMA_LAYER = 13
+LAUNCHES_PER_LLAMA_LAYER_UNSTACKED = 16  # with the tiled kernels (BATCHED): a launch a matrix
 LAUNCHES_AFTER_THE_LAYERS = 3
 
 
@@ -450,3 +450,44 @@ def test_quantized_weights_take_the_files_bytes_on_the_device(model_files, name)
     on_device = sum(t.n_bytes for name, t in tensors.items()
                     if name != "token_embd.weight" or backend.output_name == "token_embd.weight")
     assert backend.weight_bytes() == on_device
+
+
+# ---------------------------------------------------------------------------------------------
+# the batching scheduler's rows on the GPU
+# ---------------------------------------------------------------------------------------------
+def test_rows_of_a_mixed_batch_equal_each_sequence_alone_on_the_gpu(model_files):
+    """forward_rows on the CUDA backend: prompt chunks and decode rows of three sequences in one
+    pass, their cells in a paged pool on the device; every row's logits are what evaluating its
+    sequence alone, one token a call, gives on the GPU, bit for bit (and the CPU's, within the
+    tolerance)."""
+    from test_batch_rows import lone_logits, run_schedule
+
+    from minillm.serving.kv_pool import KVPool
+
+    path = model_files["llama-small-formats"]
+    model = minillm.load(path, device="cuda")
+    rng = np.random.default_rng(9)
+    seqs = {0: rng.integers(0, TINY["n_vocab"], 6), 1: rng.integers(0, TINY["n_vocab"], 4),
+            2: rng.integers(0, TINY["n_vocab"], 2)}
+    pool = KVPool(model.backend, n_seqs=3, n_ctx=8, n_cells=48, n_batch=4)
+    steps = [[(0, 4), (1, 2)], [(0, 1), (1, 1), (2, 1)], [(1, 1), (0, 1), (2, 1)]]
+    got = run_schedule(model, pool, seqs, steps)
+    cpu = minillm.load(path)
+    for s, ids in seqs.items():
+        n = len(got[s])
+        rows = np.array([got[s][p] for p in range(n)])
+        np.testing.assert_array_equal(rows, lone_logits(model, ids[:n]))
+        assert_logits_match(rows, lone_logits(cpu, ids[:n]))
+
+
+def test_the_scheduler_on_the_gpu_gives_a_request_the_same_tokens_in_any_batch(tmp_path):
+    """Model.scheduler on a CUDA model, as make gpu-check checks it on a GPU: a request alone and
+    inside batches of 2, 7 and 16 (16 on 8 slots: some join later) gets the same sampled tokens
+    and logprobs."""
+    from minillm.cli import gpu_check
+
+    n_vocab = 260  # a vocabulary (the scheduler detokenizes) needs the 256 byte tokens
+    path = SyntheticModel("llama", "Q4_0", n_layer=1, vocab=True, **dict(TINY, n_vocab=n_vocab)).build().write(
+        tmp_path / "llama-vocab.gguf")
+    model = minillm.load(path, device="cuda")
+    assert gpu_check.batch_invariance(model, sizes=(2, 7, 16), max_tokens=2, prompt_tokens=1, n_ctx=8)

@@ -66,7 +66,7 @@ def test_rows_against_llama_cpp_teacher_forced(name):
     diffs = []
     for row in rows:
         prompt, seq = row["prompt_ids"], row["prompt_ids"] + [s["next"] for s in row["steps"][:-1]]
-        pool = KVPool(m.arch, n_seqs=1, n_ctx=len(seq) + 1, n_cells=len(seq) + 1, n_batch=256)
+        pool = KVPool(m.backend, n_seqs=1, n_ctx=len(seq) + 1, n_cells=len(seq) + 1, n_batch=256)
         logits = []
         for start in range(0, len(seq), 256):
             pos = np.arange(start, min(start + 256, len(seq)), dtype=np.int64)

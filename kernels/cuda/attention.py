@@ -361,7 +361,7 @@ def _runs(q, q_pos, row_seq, tables, shift, n_slots, kcache, vcache, kv_pos, n_k
     parts = split_parts(n_heads) if split else 1
     take = take or (lambda shape: cuda.device_array(shape, np.float32))
     acc, m, s_sum = take((T, parts, n_heads, D)), take((T, parts, n_heads)), take((T, parts, n_heads))
-    threads = pow2_threads(max(D, min(kcache.shape[0], MAX_THREADS)), hi=MAX_THREADS)
+    threads = pow2_threads(max(D, min(n_slots, MAX_THREADS)), hi=MAX_THREADS)  # chunks of keys
     launch(attention_runs_kernel, (n_heads, T, parts), threads, q, q_pos, row_seq, tables, int(shift), int(n_slots),
            kcache, vcache, kv_pos, int(n_keep), int(window), _capped_scale(scale, softcap), np.float32(softcap),
            bool(split), acc, m, s_sum)

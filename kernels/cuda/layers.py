@@ -6,7 +6,7 @@ Same names, arguments and results as kernels/cpu/layers.py, over device arrays:
                       takes) or a float32 (width,) device vector (norms)
     positions         int64 (T,) device array
     rope_table        (cos, sin) float32 (T, rope_dims/2) device arrays: the CPU's tables, uploaded
-    kv                a DeviceKV: the CPU's KVView without paging (one sequence's own cache)
+    kv                a DeviceKV: the CPU's KVView (paging None: one sequence's own cache)
 so that `Backend.layer_with_ops(this module)` runs an architecture's layer on the GPU.
 
 Results are taken from POOL, device buffers reused from one layer to the next: the backend
@@ -29,12 +29,20 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
-from .attention import attention
+from .attention import attention, attention_rows
 from .matmul import FWeights, QWeights, fmatmul, qmatmul
 from .norm_quant import GLU_GELU, GLU_SILU, QActivations, glu_quantize, quantize, rmsnorm, rmsnorm_quantize
 from .launch import COUNTS, launch
 from .ops import _launch, add_inplace, add_rows_kernel, geglu as geglu_into, rope_store_kv, scale_kernel, swiglu as swiglu_into
 
+
+
+class DevicePaging(NamedTuple):
+    """How the batching scheduler's rows find their cells in a shared pool (the CPU's Paging)."""
+    row_seq: object           # (T,) int64 device array: each row's sequence
+    tables: object            # (n_seq, blocks) int64 device array: block tables
+    shift: int                # blocks of 2^shift rows
+    n_slots: int              # slots each sequence sees
 
 
 class DeviceKV(NamedTuple):
@@ -44,6 +52,7 @@ class DeviceKV(NamedTuple):
     kv_pos: object            # (S,) int64: the position each row holds (-1: empty)
     slots: object             # (T,) int64: the rows this batch's k/v go to
     n_keep: int               # attention-sink tokens kept when the ring wraps
+    paging: DevicePaging | None = None  # None: one sequence's own cache
 
 
 FLOAT_KIND = -1  # DeviceMatrix.kind of float weights: activations are rounded, not quantized
@@ -52,6 +61,10 @@ FLOAT_KIND = -1  # DeviceMatrix.kind of float weights: activations are rounded, 
 # tiled above); True always takes the tiled ones (the tests do under the CUDA simulator, where
 # the matrix-vector kernels' warp reductions cost minutes; test_cuda_kernels checks them)
 BATCHED: bool | None = None
+# inside rows_alone(): the batching scheduler's rows, each computed as a lone token is (the
+# matrix-vector kernels at any batch size, unless BATCHED says otherwise: both kernels give a
+# row the same result whatever the other rows, but not each other's)
+_ROWS_ALONE = [False]
 
 
 @dataclass(frozen=True)
@@ -178,12 +191,23 @@ def _quantize(x, kind: int):
     return quantize(x, kind, _activation_buffers(*x.shape, kind))
 
 
+@contextlib.contextmanager
+def rows_alone():
+    """The products inside the block take each row as a lone token (the matrix-vector kernels)."""
+    _ROWS_ALONE[0] = True
+    try:
+        yield
+    finally:
+        _ROWS_ALONE[0] = False
+
+
 def _apply(w: DeviceMatrix, x, act, out=None):
     """out (T, N) = x @ W.T, act the quantized x for w's kind (None for float weights)."""
     out = POOL.take((x.shape[0], w.n_rows)) if out is None else out
+    batched = False if BATCHED is None and _ROWS_ALONE[0] else BATCHED
     if w.kind == FLOAT_KIND:
-        return fmatmul(w.weights, x, out, scratch=POOL.take(x.shape), batched=BATCHED)
-    return qmatmul(w.weights, act, out, batched=BATCHED)
+        return fmatmul(w.weights, x, out, scratch=POOL.take(x.shape), batched=batched)
+    return qmatmul(w.weights, act, out, batched=batched)
 
 
 def _stacked(weights) -> DeviceMatrix | None:
@@ -278,8 +302,12 @@ def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, s
     cos_t, sin_t = rope_table
     rope_store_kv(q, k, v, positions, kv.slots, n_heads, rope_dims, cos_t, sin_t, neox, kv.k, kv.v, kv.kv_pos)
     out = POOL.take((q.shape[0], n_heads * head_dim))
+    if kv.paging is not None:  # the scheduler's rows: each as a lone query over its sequence's cells
+        p = kv.paging
+        return attention_rows(q, positions, p.row_seq, p.tables, p.shift, p.n_slots, kv.k, kv.v, kv.kv_pos, window,
+                              kq_scale, softcap, n_heads, out, q_scale, take=POOL.take)
     return attention(q, positions, kv.k, kv.v, kv.kv_pos, kv.n_keep, window, kq_scale, softcap, n_heads, out,
-                     q_scale)
+                     q_scale, take=POOL.take)
 
 
 def add_bias(x, bias):

@@ -7,8 +7,10 @@ and its float16 view), decoded in registers:
 
 with isum the exact int32 dot product of group g's codes and the activations' int8 codes, and
 the group's float32 terms added in order of g, as ggml sums a row's blocks. Two kernels:
-  - qmatvec_kernel (T <= MATVEC_MAX_T, decode): one warp per row, each lane a group at a time
-    (its codes decoded once for every token), partial sums added by a warp shuffle tree;
+  - qmatvec_kernel (decode: T <= MATVEC_MAX_T; the batching scheduler's rows at any T, in
+    blocks of MATVEC_MAX_T tokens): one warp per row, each lane a group at a time (its codes
+    decoded once for every token of the block), partial sums added by a warp shuffle tree;
+    a token's result is the same whatever the other tokens;
   - qmatmul_tiled_kernel (prefill): TILE_N rows x TILE_T tokens per block, K walked in chunks of
     CHUNK_WORDS words of 4 codes, decoded into shared memory, each thread one output.
 The float kernels (fmatvec_kernel, fmatmul_tiled_kernel) have the same shapes for F32/F16/BF16
@@ -44,35 +46,37 @@ _Q_ARGS = ("uint8[:, ::1], float16[:, ::1], int64, int64, int64, "
 
 @kernel(f"void({_Q_ARGS})")
 def qmatvec_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
-    """out (T, N) for T <= MATVEC_MAX_T; block (WARP, MATVEC_ROWS), grid ceil(N / MATVEC_ROWS)."""
+    """out (T, N), tokens MATVEC_MAX_T at a time: block (WARP, MATVEC_ROWS), grid
+    (ceil(N / MATVEC_ROWS), ceil(T / MATVEC_MAX_T)). A token's sums do not depend on the others."""
     partial = cuda.shared.array((MATVEC_ROWS, WARP), np.float32)  # warp_sum's scratch (simulator only)
     codes = cuda.local.array(MAX_GROUP, np.int32)   # (group,) the codes of the lane's group
-    acc = cuda.local.array(MATVEC_MAX_T, np.float32)  # (T,) the lane's partial sums
+    acc = cuda.local.array(MATVEC_MAX_T, np.float32)  # (MATVEC_MAX_T,) the lane's partial sums
     lane = cuda.threadIdx.x
     n = cuda.blockIdx.x * MATVEC_ROWS + cuda.threadIdx.y
-    T = out.shape[0]
+    t0 = cuda.blockIdx.y * MATVEC_MAX_T
+    n_t = min(MATVEC_MAX_T, out.shape[0] - t0)
     N = raw.shape[0]
     n_groups = x_words.shape[1] * 4 // group
-    for t in range(T):
+    for t in range(n_t):
         acc[t] = np.float32(0.0)
     if n < N:
         for g in range(lane, n_groups, WARP):
             for j in range(group):
                 codes[j] = code(raw, n, fmt, g * group + j)
             scale, bias = group_scale(raw, raw_h, n, fmt, g)
-            for t in range(T):
+            for t in range(n_t):
                 isum = 0
                 for w in range(group // 4):
-                    x_word = x_words[t, g * (group // 4) + w]
+                    x_word = x_words[t0 + t, g * (group // 4) + w]
                     for j in range(4):
                         isum += codes[4 * w + j] * signed_byte(x_word, j)
-                acc[t] += scale * xd[t, g] * np.float32(isum)
+                acc[t] += scale * xd[t0 + t, g] * np.float32(isum)
                 if has_bias:
-                    acc[t] += bias * xs[t, g]
-    for t in range(T):
+                    acc[t] += bias * xs[t0 + t, g]
+    for t in range(n_t):
         total = warp_sum(acc[t], partial)
         if lane == 0 and n < N:
-            out[t, n] = total
+            out[t0 + t, n] = total
 
 
 @kernel(f"void({_Q_ARGS})")
@@ -127,13 +131,13 @@ def qmatmul_tiled_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out)
 @kernel("void(float32[:, ::1], float32[:, ::1], float32[:, ::1])",
         "void(float16[:, ::1], float32[:, ::1], float32[:, ::1])")
 def fmatvec_kernel(w, x, out):
-    """out (T, N) = x (T, K) @ w (N, K).T for small T; launch as qmatvec_kernel."""
+    """out (T, N) = x (T, K) @ w (N, K).T, tokens MATVEC_MAX_T at a time; launch as qmatvec_kernel."""
     partial = cuda.shared.array((MATVEC_ROWS, WARP), np.float32)  # warp_sum's scratch (simulator only)
     lane = cuda.threadIdx.x
     r = cuda.threadIdx.y
     n = cuda.blockIdx.x * MATVEC_ROWS + r
     N, K = w.shape
-    for t in range(out.shape[0]):
+    for t in range(cuda.blockIdx.y * MATVEC_MAX_T, min(out.shape[0], (cuda.blockIdx.y + 1) * MATVEC_MAX_T)):
         acc = np.float32(0.0)
         if n < N:
             for k in range(lane, K, WARP):
@@ -253,14 +257,14 @@ def _use_tiled(T: int, batched: bool | None) -> bool:
 def qmatmul(w: QWeights, act, out, batched: bool | None = None):
     """out (T, N) = x @ W.T on the device, act the QActivations of x for w's activation kind.
 
-    batched: use the tiled kernel (True) or the matrix-vector one (False); None: by T."""
+    batched: use the tiled kernel (True) or the matrix-vector one (False, any T); None: by T."""
     T, K = act.shape
     if K != w.n_cols or out.shape != (T, w.n_rows):
         raise ValueError(f"shapes: W ({w.n_rows}, {w.n_cols}), x ({T}, {K}), out {out.shape}")
     xd, xs = act.scales(w.group)
     args = (w.raw, w.raw_h, w.fmt, w.group, int(w.has_bias), act.words, xd, xs, out)
     if not _use_tiled(T, batched):
-        launch(qmatvec_kernel, _grid(w.n_rows, MATVEC_ROWS), (WARP, MATVEC_ROWS), *args)
+        launch(qmatvec_kernel, (_grid(w.n_rows, MATVEC_ROWS), _grid(T, MATVEC_MAX_T)), (WARP, MATVEC_ROWS), *args)
     else:
         launch(qmatmul_tiled_kernel, (_grid(w.n_rows, TILE_N), _grid(T, TILE_T)), (TILE_N, TILE_T), *args)
     return out
@@ -289,7 +293,8 @@ def fmatmul(w: FWeights, x, out, scratch=None, batched: bool | None = None):
             scratch = cuda.device_array(x.shape, np.float32)
         x = round_activations(x, w.round_mode, scratch)
     if not _use_tiled(T, batched):
-        launch(fmatvec_kernel, _grid(w.n_rows, MATVEC_ROWS), (WARP, MATVEC_ROWS), w.weight, x, out)
+        launch(fmatvec_kernel, (_grid(w.n_rows, MATVEC_ROWS), _grid(T, MATVEC_MAX_T)), (WARP, MATVEC_ROWS),
+               w.weight, x, out)
     else:
         launch(fmatmul_tiled_kernel, (_grid(w.n_rows, TILE_N), _grid(T, TILE_T)), (TILE_N, TILE_T), w.weight, x, out)
     return out

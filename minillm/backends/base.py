@@ -80,11 +80,26 @@ class Backend:
         sink tokens, batches of at most batch_size tokens."""
         raise NotImplementedError
 
+    def pool_arrays(self, row_counts: list[int], cache_type: str) -> list:
+        """Zeroed (rows, n_head_kv, row length) keys or values of each layer of the batching
+        scheduler's pool (serving/kv_pool.py), where this backend's kernels read them."""
+        raise NotImplementedError
+
+    def pool_budget(self) -> int | None:
+        """Bytes the scheduler's pool may take when the caller gives no size, or None: as many
+        cells as every slot's context (host pages are taken only as cells are written)."""
+        return None
+
     def forward(self, ids: np.ndarray, cache, logits_from: int) -> np.ndarray:
         """Evaluate ids at the cache's next positions; logits (T - logits_from, V) on the host."""
         raise NotImplementedError
 
     def forward_rows(self, ids: np.ndarray, positions: np.ndarray, kv_of, out_from: int, n_ctx: int) -> np.ndarray:
+        """The batching scheduler's forward: rows of several sequences (ids, positions (T,)),
+        each computed as if it were evaluated alone, one token at a time (one kernel path per
+        row, whatever the other rows). kv_of(il): layer il's KVView over the shared pool
+        (minillm/serving/kv_pool.py, its arrays from pool_arrays); n_ctx: the positions each
+        sequence may hold. Logits (T - out_from, V) of the rows from out_from on."""
         raise NotOnThisBackend(f"batched rows (the scheduler) do not run on {self.device} yet: use device='cpu'")
 
     def forward_each_alone(self, ids: np.ndarray, cache) -> np.ndarray:

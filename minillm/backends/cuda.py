@@ -24,7 +24,7 @@ from ..kernels.cuda import layers as cuda_layers
 from ..kernels.cuda import rmsnorm, upload_blocks, upload_float_matrix
 from ..kernels.cuda.attention import MAX_HEAD_DIM
 from ..kernels.cuda.launch import REPLAY_MODES, Replay, new_stream, recording
-from ..kernels.cuda.layers import FLOAT_KIND, DeviceKV, DeviceMatrix
+from ..kernels.cuda.layers import FLOAT_KIND, DeviceKV, DeviceMatrix, DevicePaging
 from ..kernels.cuda.matmul import MATVEC_MAX_T
 from ..kernels.cuda.norm_quant import MAX_K
 from ..kv_cache import F16_CACHE, KVCache
@@ -33,6 +33,7 @@ from .base import Backend
 # how decode steps are replayed (kernels/cuda/launch.py): "auto" (a CUDA graph where it can be
 # captured), "graph", "prepared", "direct", or "off" (every step issued from the layer code)
 REPLAY = os.environ.get("MINILLM_CUDA_REPLAY", "auto")
+POOL_SHARE = 0.8  # of the free device memory, for the batching scheduler's KV pool by default
 
 
 class CudaKVCache(KVCache):
@@ -133,8 +134,7 @@ class CudaBackend(Backend):
     base.Backend over kernels/cuda/layers.py)."""
 
     device = "cuda"
-    missing = {"rows": "batched rows (the scheduler, the server)", "speculation": "speculative decoding",
-               "imatrix": "the importance matrix"}
+    missing = {"speculation": "speculative decoding", "imatrix": "the importance matrix"}
     _lock = threading.Lock()  # the ops' buffer pool serves one forward pass at a time
 
     def __init__(self, arch, cache_types: tuple[str, str] = F16_CACHE, progress=None):
@@ -185,6 +185,48 @@ class CudaBackend(Backend):
         hp = self.hp
         sizes, layout = self.arch.cache_layout(n_ctx, min(batch_size, n_ctx))
         return CudaKVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, sizes, layout, n_keep)
+
+    def pool_arrays(self, row_counts: list[int], cache_type: str) -> list:
+        """float16 device arrays (CudaBackend takes f16 caches only)."""
+        return [_device_zeros((n, self.hp.n_head_kv, self.hp.head_dim)) for n in row_counts]
+
+    def pool_budget(self) -> int | None:
+        """POOL_SHARE of the device memory free now (the rest for the passes' buffers); None
+        where the device does not say (the simulator)."""
+        free = cuda.current_context().get_memory_info().free
+        return int(free * POOL_SHARE) if np.isfinite(free) else None
+
+    def forward_rows(self, ids: np.ndarray, positions: np.ndarray, kv_of, out_from: int, n_ctx: int) -> np.ndarray:
+        """Backend.forward_rows on the GPU: each row's products by the matrix-vector kernels
+        (a lone token's path), its attention a lone query's over its sequence's cells (the
+        pool's block tables, kv_pos and the rows' slots uploaded once for the pass)."""
+        with self._lock:
+            try:
+                x, tables, positions = self.upload(self.step_inputs(ids, positions, n_ctx))
+                with cuda_layers.rows_alone():
+                    x = self.layers_from(x, tables, positions, self._device_views(kv_of), out_from, self.layers)
+                    logits = self.device_logits(x)
+                return self._logits_to_host(logits)
+            finally:
+                self._kept = []
+                cuda_layers.recycle()
+
+    def _device_views(self, kv_of):
+        """kv_of(il) for the CUDA layers: the host KVViews of the pool (serving/kv_pool.py), their
+        host arrays uploaded once each for the pass."""
+        uploaded = {}
+
+        def device(host):
+            if id(host) not in uploaded:
+                uploaded[id(host)] = (host, self.upload(host))  # (the host array kept: ids stay unique)
+            return uploaded[id(host)][1]
+
+        def device_kv(il: int) -> DeviceKV:
+            k, v, kv_pos, slots, n_keep, (row_seq, tables, shift, n_slots) = kv_of(il)
+            paging = DevicePaging(device(row_seq), device(tables), shift, n_slots)
+            return DeviceKV(k, v, device(kv_pos), device(slots), n_keep, paging)
+
+        return device_kv
 
     def forward(self, ids: np.ndarray, cache: CudaKVCache, logits_from: int) -> np.ndarray:
         with self._lock:

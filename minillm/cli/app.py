@@ -109,7 +109,7 @@ def bench(
         _bench_speculative(model, draft, lookup, n_gen, reps, threads, as_json)
         return
     if parallel is not None:
-        _bench_parallel(model, parallel, 128 if n_prompt is None else n_prompt, n_gen, reps, threads, as_json)
+        _bench_parallel(model, parallel, 128 if n_prompt is None else n_prompt, n_gen, reps, threads, device, as_json)
         return
     n_prompt = 512 if n_prompt is None else n_prompt
     from .bench import run_bench
@@ -142,7 +142,8 @@ def _bench_speculative(model: Path, draft: Optional[Path], lookup: bool, n_gen: 
         print_result(result)
 
 
-def _bench_parallel(model: Path, levels: str, n_prompt: int, n_gen: int, reps: int, threads, as_json: bool) -> None:
+def _bench_parallel(model: Path, levels: str, n_prompt: int, n_gen: int, reps: int, threads, device: str,
+                    as_json: bool) -> None:
     from .bench import run_parallel_bench
 
     try:
@@ -153,7 +154,8 @@ def _bench_parallel(model: Path, levels: str, n_prompt: int, n_gen: int, reps: i
         raise typer.BadParameter(f"--parallel takes counts from 1 to 256 separated by commas, not {levels!r}")
     if n_prompt < 1 or n_gen < 1:
         raise typer.BadParameter("--parallel needs -p and -n of at least 1")
-    result = run_parallel_bench(model, counts, n_prompt, n_gen, threads, on_compile=compile_notice, reps=reps)
+    result = run_parallel_bench(model, counts, n_prompt, n_gen, threads, on_compile=compile_notice, device=device,
+                                reps=reps)
     if as_json:
         print(json.dumps(result))
         return

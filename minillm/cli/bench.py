@@ -70,8 +70,8 @@ def run_parallel_bench(path, levels: list[int], n_prompt: int, n_gen: int, threa
     model = Model(path, threads=threads, device=device)
     model.warm_up(on_compile)
     rng = np.random.default_rng(0)
-    result = {"model": model.path.name, "threads": model.threads, "n_prompt": n_prompt, "n_gen": n_gen,
-              "reps": reps, "levels": []}
+    result = {"model": model.path.name, "device": model.device, "threads": model.threads, "n_prompt": n_prompt,
+              "n_gen": n_gen, "reps": reps, "levels": []}
     runs = {n_seq: [] for n_seq in levels}  # (t_pp, t_tg) of each repetition
     for _ in range(reps):
         for n_seq in levels:

@@ -314,7 +314,7 @@ def register(app: typer.Typer) -> None:
                                              presence_penalty, frequency_penalty, seed), stop, ignore_eos)
         cache_types = (cache_type_k, cache_type_v)
         if batch_file is not None:  # each request without a seed draws its own
-            m = load_model(model, threads, "cpu" if device == "auto" else device, cache_types)
+            m = load_model(model, threads, device, cache_types)
             as_messages = partial(chat_messages, system=system) if chat or system is not None else None
             raise typer.Exit(_generate_batch_file(m, batch_file, parallel, ctx, batch, ask, guessing, threads,
                                                   as_messages))

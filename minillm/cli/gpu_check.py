@@ -14,6 +14,9 @@
           no upload), their speed on CUDA (and the 1B's on the CPU) and device memory; on the
           1B, decode steps replayed each way (a CUDA graph, prepared launches, direct, none):
           the same logits from each, and each one's time a step
+  batched the batching scheduler on CUDA (SmolLM2 and the 7B shape): aggregate prefill and
+          decode (S_PP, S_TG) at 1, 8, 32 and 64 sequences, as `minillm bench --parallel`, and
+          batch invariance: a request's tokens and logprobs alone and among 16
 
 Writes every result as JSON to --out (after each stage, so a cut-short run keeps what it
 measured). Exits 1 when there is no GPU (with the reason), when a test fails or when an
@@ -232,6 +235,46 @@ def bench(model, n_prompt: int = 512, n_gen: int = 128) -> dict:
             f"tg{n_gen}_tokens_per_s": round(n_gen / decode, 1)}
 
 
+BATCH_LEVELS = (1, 8, 32, 64)
+
+
+def batched(model, levels=BATCH_LEVELS, n_prompt: int = 32, n_gen: int = 32) -> dict:
+    """The scheduler's aggregate speed at each level (S_PP, S_TG as llama-batched-bench) and
+    its batch invariance (batch_invariance)."""
+    from .bench import _parallel_run
+
+    rng = np.random.default_rng(0)
+    result = {"n_prompt": n_prompt, "n_gen": n_gen, "levels": []}
+    for n_seq in levels:
+        t_pp, t_tg = _parallel_run(model, rng, n_seq, n_prompt, n_gen)
+        result["levels"].append({"parallel": n_seq, "s_pp": round(n_seq * n_prompt / t_pp, 1),
+                                 "s_tg": round(n_seq * n_gen / t_tg, 1)})
+    result["batch_invariant"] = batch_invariance(model)
+    result["ok"] = result["batch_invariant"]
+    return result
+
+
+def batch_invariance(model, sizes=(2, 7, 16), max_tokens: int = 16, prompt_tokens: int = 8, n_ctx: int = 64,
+                     parallel: int = 8) -> bool:
+    """Whether a request (sampled, with logprobs) gets the same tokens and logprobs alone and in
+    batches of each size (of requests with prompts of prompt_tokens + 0, 1, 2 tokens, on at most
+    `parallel` slots: the rest join later)."""
+    from ..sampling import SamplingParams
+    from ..serving.scheduler import Request
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, model.n_vocab, size=prompt_tokens + i % 3).tolist() for i in range(max(sizes))]
+
+    def first_request(n: int) -> list:
+        scheduler = model.scheduler(parallel=min(n, parallel), n_ctx=n_ctx)
+        handles = [scheduler.submit(Request(p, max_tokens, SamplingParams(temperature=0.8, seed=i), ignore_eos=True,
+                                            logprobs=2)) for i, p in enumerate(prompts[:n])]
+        return [(c.token, c.logprobs) for c in handles[0] if c.token is not None]
+
+    alone = first_request(1)
+    return len(alone) == max_tokens and all(first_request(n) == alone for n in sizes)
+
+
 def compare_replay_modes(model, n_steps: int = 32, n_prompt: int = 8) -> dict:
     """Greedy-free decode steps (fixed tokens) under each way of replaying a step
     (kernels/cuda/launch.py), and with no replay: each mode's ms a step and its logits against
@@ -304,6 +347,10 @@ def check_models(report: Report, deadline: float) -> None:
             if time.perf_counter() < deadline:
                 entry[f"bench_{device}"] = bench(model)
                 report.add(name, entry)
+        if name == "smollm2" and time.perf_counter() < deadline:
+            entry["batched_cuda"] = batched(gpu_model)
+            entry["ok"] = entry["ok"] and entry["batched_cuda"]["ok"]
+            report.add(name, entry)
         del gpu_model, cpu_model
 
 
@@ -326,6 +373,10 @@ def check_synthetic(report: Report, deadline: float, shapes=("1b", "7b")) -> Non
                 entry["ok"] = entry["replay_modes"]["ok"]
             entry["bench_cuda"] = bench(model, 512, 128 if shape != "7b" else 64)
             report.add(key, entry)
+            if shape == "7b" and time.perf_counter() < deadline:
+                entry["batched_cuda"] = batched(model)
+                entry["ok"] = entry["batched_cuda"]["ok"]
+                report.add(key, entry)
             del model
             if shape != "7b" and time.perf_counter() < deadline:
                 entry["bench_cpu"] = bench(load(path, "cpu"), 512, 64)

@@ -77,6 +77,7 @@ def register(app: typer.Typer) -> None:
         scheduling: str = typer.Option("priority", "--scheduling",
                                        help="priority (the request's `priority` field, preempting) or fcfs."),
         threads: Optional[int] = THREADS,
+        device: str = typer.Option("auto", "--device", help="cpu, cuda, or auto (CUDA where it is the faster)."),
         cache_type_k: str = CACHE_TYPE_K,
         cache_type_v: str = CACHE_TYPE_V,
         kv_memory: Optional[float] = typer.Option(
@@ -116,7 +117,7 @@ def register(app: typer.Typer) -> None:
         sock = listen(host, port)
         settings = Settings(model, parallel, ctx, batch, max_queue, api_key or None, scheduling, threads,
                             (cache_type_k, cache_type_v), int(kv_memory * 2**20) if kv_memory else None,
-                            draft, dict(draft_max=draft_max, draft_min=draft_min, p_min=draft_p_min))
+                            draft, dict(draft_max=draft_max, draft_min=draft_min, p_min=draft_p_min), device)
         if replicas is not None or ray_address is not None:
             return serve_replicas(settings, replicas or "1", sock, ray_address, verbose)
         state = ServerState(settings)
@@ -129,9 +130,13 @@ def register(app: typer.Typer) -> None:
 
         def ready(state) -> None:
             s = state.scheduler
+            m = state.model
+            if m.device_notice:
+                err(f"notice: {m.device_notice}")
+            where = "CUDA GPU" if m.device == "cuda" else f"{m.threads} threads"
             err(f"minillm serve: ready: {state.model_name}, {len(s.slots)} sequences at once, context {s.n_ctx}, "
-                f"{state.model.threads} threads, KV cache {s.pool.nbytes / 2**20:.1f} MiB "
-                f"({'/'.join(state.model.cache_types)}, {s.pool.n_cells} cells)"
+                f"{where}, KV cache {s.pool.nbytes / 2**20:.1f} MiB "
+                f"({'/'.join(m.cache_types)}, {s.pool.n_cells} cells)"
                 + (f", draft {s.draft.path.name}" if s.draft is not None else ""))
 
         def failed(exc) -> None:

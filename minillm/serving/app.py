@@ -46,6 +46,7 @@ class Settings:
     kv_memory: int | None = None                   # bytes of KV pool (None: every slot's context)
     draft: Path | None = None                      # -md: a draft model for speculative decoding
     speculation: dict | None = None                # SpeculationParams fields (--draft-max ...)
+    device: str = "cpu"                            # the model's: cpu, cuda or auto (the draft's: the CPU)
 
 
 class ServerState:
@@ -67,7 +68,7 @@ class ServerState:
 
         s = self.settings
         try:
-            model = Model(s.model, threads=s.threads, device="cpu", cache_types=s.cache_types)
+            model = Model(s.model, threads=s.threads, device=s.device, cache_types=s.cache_types)
             model.warm_up()
             model.tokenizer  # noqa: B018
             draft = None

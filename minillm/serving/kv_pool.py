@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import MinillmError
 from ..kernels.cpu.layers import KVView, Paging, plain
-from ..kv_cache import F16_CACHE, cache_arrays, cache_bytes
+from ..kv_cache import F16_CACHE, cache_bytes
 
 SHIFT = 4
 BLOCK = 1 << SHIFT  # cells per block
@@ -77,9 +77,11 @@ class KVPool:
     """Keys and values of every layer for n_seqs sequences of up to n_ctx positions each, in
     pools of n_cells cells (the global group; windowed groups get what their rings need)."""
 
-    def __init__(self, arch, n_seqs: int, n_ctx: int, n_cells: int, n_batch: int,
+    def __init__(self, backend, n_seqs: int, n_ctx: int, n_cells: int, n_batch: int,
                  cache_types: tuple[str, str] = F16_CACHE):
-        hp = arch.hp
+        """backend: the model's, whose pool_arrays hold the keys and values where its kernels
+        read them (host memory, or the GPU's)."""
+        arch = backend.arch
         sizes, self.layer_groups = arch.cache_layout(n_ctx, n_batch)
         self.n_seqs, self.n_ctx = n_seqs, n_ctx
         self.groups: dict[str, PoolGroup] = {}
@@ -87,12 +89,12 @@ class KVPool:
             windowed = size < n_ctx
             n_blocks = n_seqs * -(-size // BLOCK) if windowed else max(-(-n_cells // BLOCK), -(-size // BLOCK))
             self.groups[name] = PoolGroup(size, n_blocks, n_seqs, windowed)
-        # per layer: (rows, Hkv, D) uint16 float16 bit patterns, or (rows, Hkv, D/32 * block
-        # bytes) uint8 for a quantized cache (kv_cache.py); pages are touched only when written,
-        # and are huge pages: a step's rows walk every layer's cells (attention 0.8x the time)
+        # per layer: (rows, Hkv, D) float16 (on the CPU uint16 bit patterns, or (rows, Hkv,
+        # D/32 * block bytes) uint8 for a quantized cache: kv_cache.py); host pages are touched
+        # only when written
         rows = [self.groups[g].n_blocks * BLOCK for g in self.layer_groups]
-        self.k = cache_arrays(rows, hp.n_head_kv, hp.head_dim, cache_types[0], huge_pages=True)
-        self.v = cache_arrays(rows, hp.n_head_kv, hp.head_dim, cache_types[1], huge_pages=True)
+        self.k = backend.pool_arrays(rows, cache_types[0])
+        self.v = backend.pool_arrays(rows, cache_types[1])
 
     @staticmethod
     def cells_within(arch, n_seqs: int, n_ctx: int, n_batch: int, cache_types, budget: int) -> int:
@@ -153,13 +155,16 @@ class KVPool:
 
     def batch_kv(self, row_seq: np.ndarray, positions: np.ndarray):
         """kv_of(il) for Backend.forward_rows: each layer's KVView for a batch of rows
-        (row_seq (T,) their sequences, positions (T,)), their rows computed once per group."""
+        (row_seq (T,) their sequences, positions (T,)), their rows computed once per group.
+        The rows' kv_pos are set here, as the kernels set them when they store the rows' keys
+        (so that a backend whose kernels write a device copy keeps the host's right)."""
         views = {}
         for name, g in self.groups.items():
             rows = np.empty(len(positions), np.int64)
             for seq in np.unique(row_seq):
                 sel = row_seq == seq
                 rows[sel] = g.rows_of(int(seq), positions[sel])
+            g.kv_pos[rows] = positions
             views[name] = (g.kv_pos, rows, plain(Paging(row_seq, g.tables, SHIFT, g.n_slots)))
 
         def kv_of(il: int) -> tuple:

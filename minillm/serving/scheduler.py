@@ -230,8 +230,9 @@ class Scheduler:
     """Continuous batching over one model: submit() requests, then step() (or start() a thread
     that steps while there is work). `parallel` sequences at once, each up to n_ctx positions,
     their cells from a pool of kv_cells (default: enough for every slot's full context; pages
-    are touched only when written), or of as many cells as kv_memory bytes hold in the model's
-    cache types (a quantized cache: more cells, so more sequences before preemption).
+    are touched only when written; on a GPU at most what its free memory holds), or of as many
+    cells as kv_memory bytes hold in the model's cache types (a quantized cache: more cells, so
+    more sequences before preemption).
     draft: a smaller Model of the same vocabulary for requests with draft=True; each slot
     decodes it in a session of its own (created when first needed). speculation: the
     SpeculationParams of requests that guess (lookup or draft)."""
@@ -251,10 +252,12 @@ class Scheduler:
         self.batch = max(1, batch)  # prompt tokens a step, all sequences together
         # a sequence takes at most min(batch, n_ctx) rows a step: the windows' rings hold that much more
         rows = min(self.batch, self.n_ctx)
-        if kv_memory is not None:
-            kv_cells = KVPool.cells_within(model.arch, parallel, self.n_ctx, rows, model.cache_types, kv_memory)
+        budget = kv_memory if kv_memory is not None or kv_cells else model.backend.pool_budget()
+        if budget is not None:  # as many cells as the bytes hold; by default no more than every context
+            fit = KVPool.cells_within(model.arch, parallel, self.n_ctx, rows, model.cache_types, budget)
+            kv_cells = fit if kv_memory is not None else min(fit, parallel * self.n_ctx)
         kv_cells = max(kv_cells or parallel * self.n_ctx, self.n_ctx)  # one request always fits alone
-        self.pool = KVPool(model.arch, parallel, self.n_ctx, kv_cells, rows, model.cache_types)
+        self.pool = KVPool(model.backend, parallel, self.n_ctx, kv_cells, rows, model.cache_types)
         self.slots = [_Slot(i) for i in range(parallel)]
         if draft is not None:
             draft.backend.check_supports("speculation")
