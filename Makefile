@@ -33,7 +33,7 @@ bench: install models
 
 # LLAMA_SERVER=path/to/llama-server: the same HTTP load on llama-server, one after the other
 bench-serve: install models
-	$(PY) -m minillm.cli.bench_serve $(DEFAULT_MODEL) --out bench-serve.json $(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER))
+	$(PY) -m minillm.cli.bench_serve $(DEFAULT_MODEL) --out bench-serve.json $(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER)) $(if $(DEVICE),--device $(DEVICE))
 
 # LLAMA_BIN=folder of llama-lookup and llama-speculative-simple: llama.cpp on the same prompts
 bench-speculative: install models

@@ -4,7 +4,7 @@ N in 1, 4, 8, 16; plus the same load through the scheduler in this process, the 
 measured against. Reports aggregate generated tokens/s, time to first token and the gaps between
 a stream's tokens (p50/p99). Every client sends its own prompt, the same for every server.
 
-    python -m minillm.cli.bench_serve MODEL [--llama-server PATH] [--levels 1,4,8,16] [--out FILE]
+    python -m minillm.cli.bench_serve MODEL [--llama-server PATH] [--levels 1,4,8,16] [--device cuda] [--out FILE]
     python -m minillm.cli.bench_serve MODEL --replicas 2 -t 1 [--levels 16]   (Ray Serve scaling)
 """
 from __future__ import annotations
@@ -132,12 +132,13 @@ def wait_healthy(proc: subprocess.Popen, port: int) -> None:
     raise RuntimeError("the server did not become healthy")
 
 
-def start_server(kind: str, model: str, n: int, threads: int, llama_server: str | None, replicas: int = 0) -> tuple:
+def start_server(kind: str, model: str, n: int, threads: int, llama_server: str | None, replicas: int = 0,
+                 device: str = "cpu") -> tuple:
     """The server with n slots (per replica, with replicas), listening on a free port."""
     port = free_port()
     if kind == "minillm":
         cmd = [sys.executable, "-m", "minillm", "serve", model, "--port", str(port), "--parallel", str(n),
-               "--ctx", str(CTX_PER_SLOT), "--threads", str(threads)]
+               "--ctx", str(CTX_PER_SLOT), "--threads", str(threads), "--device", device]
         if replicas:  # on Ray Serve
             cmd += ["--replicas", str(replicas)]
     else:
@@ -148,16 +149,18 @@ def start_server(kind: str, model: str, n: int, threads: int, llama_server: str 
     return proc, port
 
 
-def bench(model: str, levels: list[int], n_gen: int, threads: int, llama_server: str | None) -> dict:
+def bench(model: str, levels: list[int], n_gen: int, threads: int, llama_server: str | None,
+          device: str = "cpu") -> dict:
+    """minillm serve (on device) and, given its path, llama-server, at each level of clients."""
     from ..model import Model
 
-    m = Model(model, threads=threads)
+    m = Model(model, threads=threads, device=device)
     m.warm_up()
-    out = {"model": os.path.basename(model), "threads": threads, "n_gen": n_gen, "levels": []}
+    out = {"model": os.path.basename(model), "device": m.device, "threads": threads, "n_gen": n_gen, "levels": []}
     for n in levels:
         row = {"clients": n, "in_process_tokens_per_s": in_process(m, n, n_gen)}
         for kind in ("minillm", "llama-server") if llama_server else ("minillm",):
-            proc, port = start_server(kind, model, n, threads, llama_server)
+            proc, port = start_server(kind, model, n, threads, llama_server, device=m.device)
             try:
                 stream_one(port, request_body(99, 8))  # warm the server's paths
                 row[kind] = run_level(port, n, n_gen)
@@ -215,6 +218,7 @@ def main() -> None:
     parser.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--replicas", type=int, default=0,
                         help="instead: serve --replicas 1 against --replicas N (-t threads each), on Ray Serve")
+    parser.add_argument("--device", default="cpu", help="minillm's device: cpu, cuda or auto")
     parser.add_argument("--out", help="also write the results as JSON")
     args = parser.parse_args()
     if not re.fullmatch(r"\d+(,\d+)*", args.levels):
@@ -223,7 +227,7 @@ def main() -> None:
     if args.replicas:
         result = bench_replicas(args.model, levels, args.n_gen, args.threads, args.replicas)
     else:
-        result = bench(args.model, levels, args.n_gen, args.threads, args.llama_server)
+        result = bench(args.model, levels, args.n_gen, args.threads, args.llama_server, args.device)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
