@@ -299,6 +299,7 @@ def _hsum(p, at):
     return ((p[at] + p[at + 4]) + (p[at + 2] + p[at + 6])) + ((p[at + 1] + p[at + 5]) + (p[at + 3] + p[at + 7]))
 
 
+@functools.cache
 def split_parts(n_heads: int) -> int:
     """The runs a lone query's cells are cut into from SPLIT_MIN_CELLS on (flash-decoding): on a
     GPU enough (head, run) blocks to fill its multiprocessors twice, at most MAX_SPLIT; under
