@@ -16,7 +16,7 @@
           the same logits from each, and each one's time a step
   batched the batching scheduler on CUDA (SmolLM2 and the 7B shape): aggregate prefill and
           decode (S_PP, S_TG) at 1, 8, 32 and 64 sequences, as `minillm bench --parallel`, and
-          batch invariance: a request's tokens and logprobs alone and among 16
+          batch invariance: a request's tokens and logprobs alone and among 2, 7 and 16
 
 Writes every result as JSON to --out (after each stage, so a cut-short run keeps what it
 measured). Exits 1 when there is no GPU (with the reason), when a test fails or when an
