@@ -467,10 +467,10 @@ def test_rows_of_a_mixed_batch_equal_each_sequence_alone_on_the_gpu(model_files)
     path = model_files["llama-small-formats"]
     model = minillm.load(path, device="cuda")
     rng = np.random.default_rng(9)
-    seqs = {0: rng.integers(0, TINY["n_vocab"], 6), 1: rng.integers(0, TINY["n_vocab"], 4),
+    seqs = {0: rng.integers(0, TINY["n_vocab"], 4), 1: rng.integers(0, TINY["n_vocab"], 3),
             2: rng.integers(0, TINY["n_vocab"], 2)}
     pool = KVPool(model.backend, n_seqs=3, n_ctx=8, n_cells=48, n_batch=4)
-    steps = [[(0, 4), (1, 2)], [(0, 1), (1, 1), (2, 1)], [(1, 1), (0, 1), (2, 1)]]
+    steps = [[(0, 3), (1, 2)], [(1, 1), (0, 1), (2, 2)]]
     got = run_schedule(model, pool, seqs, steps)
     cpu = minillm.load(path)
     for s, ids in seqs.items():
