@@ -491,3 +491,24 @@ def test_the_scheduler_on_the_gpu_gives_a_request_the_same_tokens_in_any_batch(t
         tmp_path / "llama-vocab.gguf")
     model = minillm.load(path, device="cuda")
     assert gpu_check.batch_invariance(model, sizes=(2, 7, 16), max_tokens=2, prompt_tokens=1, n_ctx=8)
+
+
+def test_speculative_rows_on_the_gpu_equal_each_token_alone(model_files):
+    """forward_each_alone on the CUDA backend (speculative verification): three rows after a
+    prefill, each bit for bit what evaluating its token alone gives on the GPU, and the CPU's
+    forward_each_alone within the tolerance."""
+    path = model_files["llama-small-formats"]
+    ids = np.random.default_rng(11).integers(0, TINY["n_vocab"], 6)
+    backend = cuda_backend(path)
+    cache, lone_cache = backend.new_cache(8), backend.new_cache(8)
+    backend.forward(ids[:3], cache, 2)
+    backend.forward(ids[:3], lone_cache, 2)
+    rows = backend.forward_each_alone(ids[3:], cache)
+    lone = np.concatenate([backend.forward(ids[i:i + 1], lone_cache, 0) for i in range(3, 6)])
+    np.testing.assert_array_equal(rows, lone)
+    assert cache.n_past == 6
+    np.testing.assert_array_equal(cache.device_kv_pos["global"].copy_to_host(), lone_cache.groups["global"].kv_pos)
+    cpu = minillm.load(path)
+    cpu_cache = cpu.new_cache(8)
+    cpu.eval(ids[:3], cpu_cache)
+    assert_logits_match(rows, cpu.backend.forward_each_alone(ids[3:], cpu_cache))

@@ -58,9 +58,10 @@ def _slot(cell, n_keep, n_slots):
 
 @device
 def _row(slot, row_seq, tables, shift, t):
-    """The cache row of row t's slot: the slot itself in a sequence's own cache (row_seq
-    empty), else through t's sequence's block table of blocks of 2^shift rows (-1: no block)."""
-    if row_seq.shape[0] == 0:
+    """The cache row of row t's slot: the slot itself in a sequence's own cache (row_seq empty,
+    or shift < 0), else through t's sequence's block table of blocks of 2^shift rows (-1: no
+    block)."""
+    if row_seq.shape[0] == 0 or shift < 0:
         return slot
     block = tables[row_seq[t], slot >> shift]
     if block < 0:
@@ -345,13 +346,14 @@ def attention(q, q_pos, kcache, vcache, kv_pos, n_keep: int, window: int, scale:
 
 
 def attention_rows(q, q_pos, row_seq, tables, shift: int, n_slots: int, kcache, vcache, kv_pos, window: int,
-                   scale: float, softcap: float, n_heads: int, out, q_scale: float = 1.0, take=None):
+                   scale: float, softcap: float, n_heads: int, out, q_scale: float = 1.0, take=None, n_keep: int = 0):
     """Each row t of q over the cells of its sequence row_seq[t] in a shared pool (block tables
     (n_seq, blocks) of 2^shift rows, n_slots slots a sequence sees), exactly as `attention`
     computes a lone query at its position q_pos[t], whatever the other rows (the batching
-    scheduler's rows)."""
+    scheduler's rows). shift < 0: one sequence's own cache, each row alone (speculative
+    verification)."""
     _check_heads(kcache, n_heads)
-    return _runs(q, q_pos, row_seq, tables, shift, n_slots, kcache, vcache, kv_pos, 0, window,
+    return _runs(q, q_pos, row_seq, tables, shift, n_slots, kcache, vcache, kv_pos, n_keep, window,
                  np.float32(scale) * np.float32(q_scale), softcap, n_heads, out, True, take)
 
 

@@ -41,7 +41,7 @@ class DevicePaging(NamedTuple):
     """How the batching scheduler's rows find their cells in a shared pool (the CPU's Paging)."""
     row_seq: object           # (T,) int64 device array: each row's sequence
     tables: object            # (n_seq, blocks) int64 device array: block tables
-    shift: int                # blocks of 2^shift rows
+    shift: int                # blocks of 2^shift rows; -1: the slots are the cache's rows
     n_slots: int              # slots each sequence sees
 
 
@@ -305,7 +305,7 @@ def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, s
     if kv.paging is not None:  # the scheduler's rows: each as a lone query over its sequence's cells
         p = kv.paging
         return attention_rows(q, positions, p.row_seq, p.tables, p.shift, p.n_slots, kv.k, kv.v, kv.kv_pos, window,
-                              kq_scale, softcap, n_heads, out, q_scale, take=POOL.take)
+                              kq_scale, softcap, n_heads, out, q_scale, take=POOL.take, n_keep=kv.n_keep)
     return attention(q, positions, kv.k, kv.v, kv.kv_pos, kv.n_keep, window, kq_scale, softcap, n_heads, out,
                      q_scale, take=POOL.take)
 

@@ -9,6 +9,7 @@ Importing this module imports numba.cuda (the `cuda` extra); the CPU path never 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import threading
@@ -134,7 +135,7 @@ class CudaBackend(Backend):
     base.Backend over kernels/cuda/layers.py)."""
 
     device = "cuda"
-    missing = {"speculation": "speculative decoding", "imatrix": "the importance matrix"}
+    missing = {"imatrix": "the importance matrix"}
     _lock = threading.Lock()  # the ops' buffer pool serves one forward pass at a time
 
     def __init__(self, arch, cache_types: tuple[str, str] = F16_CACHE, progress=None):
@@ -200,16 +201,21 @@ class CudaBackend(Backend):
         """Backend.forward_rows on the GPU: each row's products by the matrix-vector kernels
         (a lone token's path), its attention a lone query's over its sequence's cells (the
         pool's block tables, kv_pos and the rows' slots uploaded once for the pass)."""
-        with self._lock:
-            try:
-                x, tables, positions = self.upload(self.step_inputs(ids, positions, n_ctx))
-                with cuda_layers.rows_alone():
-                    x = self.layers_from(x, tables, positions, self._device_views(kv_of), out_from, self.layers)
-                    logits = self.device_logits(x)
-                return self._logits_to_host(logits)
-            finally:
-                self._kept = []
-                cuda_layers.recycle()
+        with self._lock, self._rows_alone():
+            x, tables, positions = self.upload(self.step_inputs(ids, positions, n_ctx))
+            x = self.layers_from(x, tables, positions, self._device_views(kv_of), out_from, self.layers)
+            return self._logits_to_host(self.device_logits(x))
+
+    @contextlib.contextmanager
+    def _rows_alone(self):
+        """A pass whose rows are each computed as a lone token's (cuda_layers.rows_alone); its
+        buffers go back to the pool after it."""
+        try:
+            with cuda_layers.rows_alone():
+                yield
+        finally:
+            self._kept = []
+            cuda_layers.recycle()
 
     def _device_views(self, kv_of):
         """kv_of(il) for the CUDA layers: the host KVViews of the pool (serving/kv_pool.py), their
@@ -227,6 +233,25 @@ class CudaBackend(Backend):
             return DeviceKV(k, v, device(kv_pos), device(slots), n_keep, paging)
 
         return device_kv
+
+    def forward_each_alone(self, ids: np.ndarray, cache: CudaKVCache) -> np.ndarray:
+        """Logits (T, V) of ids at the cache's next positions, each row what forward() gives that
+        token alone after the rows before it (speculative verification): forward_rows' kernels
+        over the cache's own slots. Only within cache.headroom()."""
+        with self._lock, self._rows_alone():
+            positions = cache.reserve(len(ids))
+            slots, (x, tables, positions), row_seq, no_table = self.upload((
+                cache.batch_slots(), self.step_inputs(ids, positions, cache.n_ctx),
+                np.zeros(len(ids), np.int64), np.zeros((1, 1), np.int64)))
+            cache.device_slots = slots
+
+            def alone(il: int) -> DeviceKV:
+                n_slots = cache.groups[cache.layer_groups[il]].n_slots
+                return cache.device_kv(il)._replace(paging=DevicePaging(row_seq, no_table, -1, n_slots))
+
+            x = self.layers_from(x, tables, positions, alone, 0, self.layers)
+            cache.commit(len(ids))
+            return self._logits_to_host(self.device_logits(x))
 
     def forward(self, ids: np.ndarray, cache: CudaKVCache, logits_from: int) -> np.ndarray:
         with self._lock:
