@@ -256,6 +256,16 @@ def free_port(low: int, high: int) -> int:
     raise AssertionError(f"no free port in {low}..{high}")
 
 
+def test_a_replica_on_the_gpu_reserves_one_gpu():
+    from pathlib import Path
+
+    from minillm.serving.app import Settings
+    from minillm.serving.cluster import replica_resources
+
+    assert replica_resources(Settings(Path("m.gguf")), 2) == {"num_cpus": 2}
+    assert replica_resources(Settings(Path("m.gguf"), device="cuda"), 2) == {"num_cpus": 2, "num_gpus": 1}
+
+
 # -- the router alone -------------------------------------------------------------------------
 @pytest.mark.parametrize("body, text", [
     ({"messages": [{"role": "user", "content": "hi"}]}, "\x00user\x00hi"),

@@ -279,6 +279,13 @@ class ReplicaCount:
         return count
 
 
+def replica_resources(settings: Settings, threads: int) -> dict:
+    """What Ray reserves for a replica: its threads' CPUs, and with --device cuda a GPU of its
+    own (Ray sets each replica's CUDA_VISIBLE_DEVICES; a cluster without a free GPU leaves the
+    replica pending, as Ray Serve does)."""
+    return {"num_cpus": threads, **({"num_gpus": 1} if settings.device == "cuda" else {})}
+
+
 def application(settings: Settings, count: ReplicaCount, threads: int):
     """The Serve application: Gateway over the Replica deployment and Board."""
     board = serve.deployment(Board, name="Board", max_ongoing_requests=1024, logging_config=QUIET,
@@ -291,7 +298,7 @@ def application(settings: Settings, count: ReplicaCount, threads: int):
         Replica, name="Replica", **scale, logging_config=QUIET,
         max_ongoing_requests=2 * settings.parallel,  # a slot's next request waits in its replica, not in Ray
         max_queued_requests=max(settings.max_queue, 1),
-        ray_actor_options={"num_cpus": threads}, health_check_period_s=2, health_check_timeout_s=30,
+        ray_actor_options=replica_resources(settings, threads), health_check_period_s=2, health_check_timeout_s=30,
         graceful_shutdown_timeout_s=STOP_WAIT_S,
         request_router_config=RequestRouterConfig(request_router_class=PrefixRouter),
     ).bind(settings, board)
@@ -323,7 +330,8 @@ def run(settings: Settings, count: ReplicaCount, threads: int, host: str, port: 
     try:
         serve.start(http_options={"host": host, "port": port}, logging_config=QUIET)
         log(f"minillm serve: starting {count.low} replica{'s' * (count.low > 1)} of {settings.model.name} "
-            f"({threads} thread{'s' * (threads > 1)} each) on Ray {'(local)' if local else ray_address}")
+            f"({threads} thread{'s' * (threads > 1)}{' and a GPU' * (settings.device == 'cuda')} each) on Ray "
+            f"{'(local)' if local else ray_address}")
         try:
             serve.run(application(settings, count, threads), name=APP, route_prefix="/", logging_config=QUIET)
         except Exception as exc:  # noqa: BLE001 (Serve reports a replica that cannot start this way)
