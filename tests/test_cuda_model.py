@@ -512,3 +512,44 @@ def test_speculative_rows_on_the_gpu_equal_each_token_alone(model_files):
     cpu_cache = cpu.new_cache(8)
     cpu.eval(ids[:3], cpu_cache)
     assert_logits_match(rows, cpu.backend.forward_each_alone(ids[3:], cpu_cache))
+
+
+def test_scheduler_decode_steps_replay_their_recording_and_allocate_nothing(model_files, monkeypatch):
+    """A step whose rows all want logits is padded to a power of two and recorded once per row
+    count; later steps of that count replay it (one replay, no device allocation) and give what
+    the layer code gives each step (MINILLM_CUDA_REPLAY=off), bit for bit."""
+    from minillm.serving.kv_pool import KVPool
+
+    path = model_files["llama-small-formats"]
+    rng = np.random.default_rng(12)
+    seqs = {s: rng.integers(0, TINY["n_vocab"], 5) for s in range(3)}
+    steps = [[(0, 1), (1, 1), (2, 1)]] * 3 + [[(0, 1), (2, 1)]]  # 3 rows (padded to 4), then 2
+
+    def run(replay: str):
+        monkeypatch.setattr(cuda_backend_module, "REPLAY", replay)
+        model = minillm.load(path, device="cuda")
+        pool = KVPool(model.backend, n_seqs=3, n_ctx=8, n_cells=48, n_batch=4)
+        counts = []
+        done = {s: 0 for s in seqs}
+        out = []
+        for step in steps:
+            rows = []
+            for s, n in step:
+                pool.assign(s, pool.blocks_needed(s, done[s], done[s] + n))
+                rows.append((s, done[s], seqs[s][done[s]]))
+                done[s] += n
+            rows = np.array(rows, np.int64)
+            kv_of = pool.batch_kv(rows[:, 0].copy(), rows[:, 1].copy())
+            logits, counted = _counted(lambda: model.backend.forward_rows(rows[:, 2].copy(), rows[:, 1].copy(),
+                                                                          kv_of, 0, pool.n_ctx))
+            out.append(logits)
+            counts.append(counted)
+        return out, counts
+
+    replayed, counts = run("auto")
+    assert [c["replays"] for c in counts] == [0, 1, 1, 0]  # 4 rows recorded, replayed; 2 rows recorded
+    assert counts[1]["allocations"] == counts[2]["allocations"] == 0
+    assert counts[1]["launches"] == counts[0]["launches"]
+    plain, _ = run("off")
+    for got, want in zip(replayed, plain):
+        np.testing.assert_array_equal(got, want)

@@ -102,6 +102,54 @@ class StepPlan:
     replay: Replay
 
 
+@dataclass
+class RowsPlan:
+    """A scheduler step of B rows over one pool, recorded (as StepPlan, for forward_rows)."""
+
+    skipped_layers: frozenset
+    pool_key: tuple            # the pool's arrays the launches read (_pool_key)
+    buffers: object            # the step's BufferPool
+    inputs: list               # device arrays the host inputs go to, in _leaves order
+    logits: object             # (B, V) float32 device array
+    replay: Replay
+
+
+MAX_REPLAYED_ROWS = 64  # scheduler steps of up to this many rows are recorded and replayed
+
+
+def _pool_arrays(kv_of, n_layer: int, pad: np.ndarray | None = None) -> list[np.ndarray]:
+    """The host arrays of the pool's KVViews (kv_pos, slots, row_seq, tables of each group),
+    each once, in layer order: what a rows pass uploads. pad: the rows of a padded batch (the
+    per-row slots and row_seq taken at them)."""
+    arrays, seen = [], set()
+    for il in range(n_layer):
+        _, _, kv_pos, slots, _, (row_seq, tables, _, _) = kv_of(il)
+        for a, per_row in ((kv_pos, False), (slots, True), (row_seq, True), (tables, False)):
+            if id(a) not in seen:
+                seen.add(id(a))
+                arrays.append(a[pad] if per_row and pad is not None else a)
+    return arrays
+
+
+def _device_views(kv_of, n_layer: int, device_arrays: list) -> list[DeviceKV]:
+    """Each layer's DeviceKV: kv_of's views with their host arrays replaced by device_arrays
+    (uploaded in _pool_arrays order)."""
+    index, views = {}, []
+    for il in range(n_layer):
+        k, v, kv_pos, slots, n_keep, (row_seq, tables, shift, n_slots) = kv_of(il)
+        for a in (kv_pos, slots, row_seq, tables):
+            index.setdefault(id(a), len(index))
+        d = [device_arrays[index[id(a)]] for a in (kv_pos, slots, row_seq, tables)]
+        views.append(DeviceKV(k, v, d[0], d[1], n_keep, DevicePaging(d[2], d[3], shift, n_slots)))
+    return views
+
+
+def _pool_key(kv_of) -> tuple:
+    """What identifies a pool's device arrays (those a recorded step reads): its first layer's."""
+    k, v = kv_of(0)[:2]
+    return id(k), id(v)
+
+
 def _leaves(tree) -> list:
     """The arrays of nested tuples, lists and dicts, in order (a dict's in insertion order)."""
     if isinstance(tree, dict):
@@ -149,6 +197,7 @@ class CudaBackend(Backend):
         super().__init__(arch, cache_types, progress)
         self.layer_function = self.layer_with_ops(cuda_layers)
         self._kept = []  # the pass's device buffers that outlive a layer (positions, slots, tables)
+        self._row_plans: dict[int, RowsPlan] = {}  # recorded scheduler steps by their (padded) row count
 
     # -- weights ---------------------------------------------------------------------
     def vector(self, name: str):
@@ -200,11 +249,63 @@ class CudaBackend(Backend):
     def forward_rows(self, ids: np.ndarray, positions: np.ndarray, kv_of, out_from: int, n_ctx: int) -> np.ndarray:
         """Backend.forward_rows on the GPU: each row's products by the matrix-vector kernels
         (a lone token's path), its attention a lone query's over its sequence's cells (the
-        pool's block tables, kv_pos and the rows' slots uploaded once for the pass)."""
-        with self._lock, self._rows_alone():
-            x, tables, positions = self.upload(self.step_inputs(ids, positions, n_ctx))
-            x = self.layers_from(x, tables, positions, self._device_views(kv_of), out_from, self.layers)
-            return self._logits_to_host(self.device_logits(x))
+        pool's block tables, kv_pos and the rows' slots uploaded once for the pass). A step
+        whose every row wants its logits (decode steps) of at most MAX_REPLAYED_ROWS rows is
+        replayed from a recording (_replayed_rows)."""
+        with self._lock:
+            if out_from == 0 and len(ids) <= MAX_REPLAYED_ROWS and REPLAY != "off":
+                return self._replayed_rows(ids, positions, kv_of, n_ctx)
+            with self._rows_alone():
+                inputs = self.upload((self.step_inputs(ids, positions, n_ctx), _pool_arrays(kv_of, self.hp.n_layer)))
+                return self._logits_to_host(self._rows_pass(inputs, kv_of, out_from))
+
+    def _rows_pass(self, inputs, kv_of, out_from: int):
+        """The layers and logits (on the device) of a rows pass from its inputs on the device:
+        ((x, rope tables, positions), the pool's host arrays in _pool_arrays order)."""
+        (x, tables, positions), pool_inputs = inputs
+        views = _device_views(kv_of, self.hp.n_layer, pool_inputs)
+        x = self.layers_from(x, tables, positions, views.__getitem__, out_from, self.layers)
+        return self.device_logits(x)
+
+    def _replayed_rows(self, ids: np.ndarray, positions: np.ndarray, kv_of, n_ctx: int) -> np.ndarray:
+        """forward_rows for rows that all want logits, padded to a power of two B by repeating the
+        last row (a copy computes what its row does and writes the same cell with the same
+        values; every row's results are its own), through the recorded pass of B rows over this
+        pool: its host inputs copied into the recording's buffers, one replay, one copy back."""
+        T = len(ids)
+        B = 1 << max(0, T - 1).bit_length()
+        pad = np.r_[np.arange(T), np.full(B - T, T - 1)]
+        pool = _pool_arrays(kv_of, self.hp.n_layer, pad)
+        host = _leaves((self.step_inputs(ids[pad], positions[pad], n_ctx), pool))
+        plan = self._row_plans.get(B)
+        if plan is None or plan.skipped_layers != self.skipped_layers or plan.pool_key != _pool_key(kv_of) or \
+                [h.shape for h in host] != [d.shape for d in plan.inputs]:
+            plan = self._record_rows(ids[pad], positions[pad], kv_of, n_ctx, pad)  # (this step, run)
+            return self.arch.finish_logits(plan.logits.copy_to_host()[:T])
+        stream = plan.replay.stream or 0
+        for device_array, host_array in zip(plan.inputs, host):
+            device_array.copy_to_device(np.ascontiguousarray(host_array), stream=stream)
+        plan.replay.run()
+        logits = plan.logits.copy_to_host(stream=stream)
+        if stream:
+            stream.synchronize()
+        return self.arch.finish_logits(logits[:T])
+
+    def _record_rows(self, ids, positions, kv_of, n_ctx: int, pad: np.ndarray) -> RowsPlan:
+        """A rows pass of len(ids) rows (padded: pad) run while its launches are recorded, on
+        buffers of its own: the plan later steps of as many rows replay (kept per row count, for
+        one pool at a time)."""
+        key = _pool_key(kv_of)
+        if any(p.pool_key != key for p in self._row_plans.values()):
+            self._row_plans = {}  # another pool (a new scheduler): the old one's recordings go
+        buffers = cuda_layers.BufferPool()
+        with cuda_layers.using_pool(buffers), recording() as launches, self._rows_alone():
+            inputs = self.upload((self.step_inputs(ids, positions, n_ctx), _pool_arrays(kv_of, self.hp.n_layer, pad)))
+            logits = self._rows_pass(inputs, kv_of, 0)
+        plan = RowsPlan(self.skipped_layers, key, buffers, _leaves(inputs), logits,
+                        Replay(launches, new_stream(), REPLAY))
+        self._row_plans[len(ids)] = plan
+        return plan
 
     @contextlib.contextmanager
     def _rows_alone(self):
@@ -216,23 +317,6 @@ class CudaBackend(Backend):
         finally:
             self._kept = []
             cuda_layers.recycle()
-
-    def _device_views(self, kv_of):
-        """kv_of(il) for the CUDA layers: the host KVViews of the pool (serving/kv_pool.py), their
-        host arrays uploaded once each for the pass."""
-        uploaded = {}
-
-        def device(host):
-            if id(host) not in uploaded:
-                uploaded[id(host)] = (host, self.upload(host))  # (the host array kept: ids stay unique)
-            return uploaded[id(host)][1]
-
-        def device_kv(il: int) -> DeviceKV:
-            k, v, kv_pos, slots, n_keep, (row_seq, tables, shift, n_slots) = kv_of(il)
-            paging = DevicePaging(device(row_seq), device(tables), shift, n_slots)
-            return DeviceKV(k, v, device(kv_pos), device(slots), n_keep, paging)
-
-        return device_kv
 
     def forward_each_alone(self, ids: np.ndarray, cache: CudaKVCache) -> np.ndarray:
         """Logits (T, V) of ids at the cache's next positions, each row what forward() gives that
