@@ -34,6 +34,7 @@ from minillm.weights import Matrix  # noqa: E402
 # modules the package shadows with functions of their names
 gpu_attention = importlib.import_module("minillm.kernels.cuda.attention")
 gpu_matmul = importlib.import_module("minillm.kernels.cuda.matmul")
+gpu_ptx = importlib.import_module("minillm.kernels.cuda.ptx")
 
 pytestmark = pytest.mark.cuda
 
@@ -151,6 +152,65 @@ def test_qmatmul_matches_cpu(fmt, T, path):
     out = cuda.device_array((T, N), np.float32)
     gpu.qmatmul(w, act, out, batched=path == "tiled")
     assert_close(to_host(out), want, 1e-5)
+
+
+MMA_FORMATS = [f.name for f in FORMATS if f.quantized and f.group == 32]
+
+
+@pytest.mark.parametrize("fmt", MMA_FORMATS)
+def test_tensor_core_product_equals_the_tiled_one(fmt):
+    """qmatmul_mma_kernel (m16n8k32 int8 MMA through inline PTX; its warp-wide fragments gathered
+    in Python under the simulator): for the formats of 32-value groups the same results as the
+    tiled kernel, bit for bit, over tiles that are partly past the rows and the tokens."""
+    f = FORMATS_BY_NAME[fmt]
+    rng = rng_for("mma", fmt)
+    K = 256 if f.activation == "q8_k" else 96
+    N, T = 18, 9
+    w = gpu.upload_blocks(f, random_blocks(fmt, N, K, rng), K)
+    assert w.group == 32
+    act = gpu.quantize(cuda.to_device(rng.standard_normal((T, K)).astype(np.float32)), KINDS[f.activation])
+    tiled, mma = (cuda.device_array((T, N), np.float32) for _ in range(2))
+    gpu.qmatmul(w, act, tiled, batched=True, mma=False)
+    gpu.qmatmul(w, act, mma, batched=True, mma=True)
+    np.testing.assert_array_equal(to_host(mma), to_host(tiled))
+    assert np.abs(to_host(tiled)).max() > 0
+
+
+def test_mma_fragments_follow_the_ptx_layout():
+    """The simulated m16n8k32 MMA against a NumPy product of the tiles its lanes hold, placed as
+    the PTX ISA's fragment layout says (ptx.py's doc)."""
+    rng = rng_for("mma layout")
+    A = rng.integers(-128, 128, (16, 32)).astype(np.int8)
+    B = rng.integers(-128, 128, (32, 8)).astype(np.int8)
+    words = lambda v: np.ascontiguousarray(v).view(np.int32)[0]  # noqa: E731 (4 int8, lowest first)
+    a_regs = np.zeros((32, 4), np.int32)
+    b_regs = np.zeros((32, 2), np.int32)
+    for lane in range(32):
+        gid, tig = lane >> 2, lane & 3
+        for r in range(4):
+            row, k = gid + 8 * (r & 1), 4 * tig + 16 * (r >> 1)
+            a_regs[lane, r] = words(A[row, k:k + 4])
+        for r in range(2):
+            b_regs[lane, r] = words(B[4 * tig + 16 * r:4 * tig + 16 * r + 4, gid])
+    d = cuda.device_array((32, 4), np.int32)
+    mma_probe[1, (32, 1)](cuda.to_device(a_regs), cuda.to_device(b_regs), d)
+    want = A.astype(np.int32) @ B.astype(np.int32)
+    got = np.zeros((16, 8), np.int32)
+    for lane in range(32):
+        gid, tig = lane >> 2, lane & 3
+        for i in range(4):
+            got[gid + 8 * (i >> 1), 2 * tig + (i & 1)] = to_host(d)[lane, i]
+    np.testing.assert_array_equal(got, want)
+
+
+@cuda.jit
+def mma_probe(a_regs, b_regs, d):
+    scratch_a = cuda.shared.array((1, 32, 4), np.int32)
+    scratch_b = cuda.shared.array((1, 32, 2), np.int32)
+    lane = cuda.threadIdx.x
+    d[lane, 0], d[lane, 1], d[lane, 2], d[lane, 3] = gpu_ptx.mma_s8(
+        a_regs[lane, 0], a_regs[lane, 1], a_regs[lane, 2], a_regs[lane, 3], b_regs[lane, 0], b_regs[lane, 1],
+        scratch_a, scratch_b)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "F16"])
@@ -464,7 +524,7 @@ def test_every_kernel_compiles_to_ptx():
                           capture_output=True, text=True, env=cuda_env.environment_for_ptx_check(), timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     n_signatures = sum(len(spec.signatures) for spec in gpu.KERNELS.values())
-    assert f"compiled {n_signatures} kernel signatures for sm_90" in proc.stdout
+    assert f"compiled {n_signatures} kernel signatures for sm_90, each assembled" in proc.stdout
 
 
 def test_kernels_compile_where_numpy_has_no_row_stack():

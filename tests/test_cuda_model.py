@@ -440,6 +440,27 @@ def test_gpu_check_compares_the_replay_modes(two_layer_q4_0):
         assert result[mode]["launches_per_step"] == per_layer * 2 + LAUNCHES_AFTER_THE_LAYERS
 
 
+def test_gpu_check_compares_the_tensor_core_prefill_with_the_tiled_one(model_files, monkeypatch):
+    """make gpu-check's MMA stage runs and finds the same logits both ways (the model's Q4_0,
+    Q4_1, Q5_0, Q5_1 and Q8_0 matrices take the tensor cores)."""
+    from minillm.cli import gpu_check
+    from minillm.kernels.cuda import matmul
+
+    launched = []
+
+    def launch(kernel, *args):
+        launched.append(kernel)
+        real_launch(kernel, *args)
+
+    real_launch = matmul.launch
+    monkeypatch.setattr(matmul, "launch", launch)
+    model = minillm.load(model_files["llama-small-formats"], device="cuda")
+    result = gpu_check.compare_mma(model, n_prompt=2, n_logits=3)
+    assert result["ok"] and result["max_abs_diff"] == 0.0 and result["mma_pp2_tokens_per_s"] > 0
+    assert matmul.qmatmul_mma_kernel in launched and matmul.qmatmul_tiled_kernel in launched
+    assert matmul.MMA is False  # put back
+
+
 @pytest.mark.parametrize("name", ["llama-k-quants", "gemma3-global-k-quants"])
 def test_quantized_weights_take_the_files_bytes_on_the_device(model_files, name):
     """The blocks are uploaded as the file holds them (no widening to int8 codes and float

@@ -11,6 +11,7 @@ Modules:
     device      device helpers (f16 rounding, int8 dot products, block reductions)
     norm_quant  rmsnorm, activation quantization, each fused after rmsnorm or a GLU
     blocks      GGUF's quantized blocks decoded in registers (codes, group scales)
+    ptx         inline PTX: dp4a and the tensor cores' int8 mma (with simulator twins)
     matmul      quantized and float matrix products, the device weight layouts
     launch      every launch, recorded and replayed (decode steps)
     ops         RoPE + KV store, SwiGLU, GeGLU, residual add

@@ -20,15 +20,17 @@ round_bf16_kernel).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
 
 from .blocks import FORMAT_IDS, code, group_scale
-from .device import WARP, dot4, f16_round, pack4, pow2_threads, signed_byte, warp_sum
+from .device import WARP, f16_round, pack4, pow2_threads, signed_byte, warp_sum
 from .launch import launch
-from .registry import kernel
+from .ptx import dp4a, mma_s8
+from .registry import device, kernel
 
 MATVEC_ROWS = 4        # rows (warps) per block of the matrix-vector kernels
 MATVEC_MAX_T = 4       # batches up to this many tokens use the matrix-vector kernels
@@ -39,6 +41,10 @@ CHUNK_WORDS = 32       # int32 words of K staged per step (128 int8 codes: 4 or 
 CHUNK_F = 32           # float values of K staged per step in the float tiled kernel
 CHUNK_WORDS_PAD = CHUNK_WORDS + 1  # shared row length: the +1 keeps a warp's rows on distinct banks
 CHUNK_F_PAD = CHUNK_F + 1
+MMA_WARPS = 4          # warps per block of qmatmul_mma_kernel, each a tile of 16 weight rows x 8 tokens
+# prefill products of 32-value groups on the tensor cores (qmatmul_mma_kernel): "1" turns them on
+# (off until measured on a GPU: make gpu-check compares the two)
+MMA = os.environ.get("MINILLM_CUDA_MMA") == "1"
 
 _Q_ARGS = ("uint8[:, ::1], float16[:, ::1], int64, int64, int64, "
            "int32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1]")
@@ -115,9 +121,9 @@ def qmatmul_tiled_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out)
         if n < N and t < T:
             g0 = c0 // words_per_group
             for gi in range(min(CHUNK_WORDS // words_per_group, n_groups - g0)):
-                isum = 0
+                isum = np.int32(0)
                 for j in range(gi * words_per_group, (gi + 1) * words_per_group):
-                    isum += dot4(w_sh[tn, j], x_sh[tt, j])
+                    isum = dp4a(w_sh[tn, j], x_sh[tt, j], isum)
                 g = g0 + gi
                 scale, bias = group_scale(raw, raw_h, n, fmt, g)
                 acc += scale * xd[t, g] * np.float32(isum)
@@ -126,6 +132,65 @@ def qmatmul_tiled_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out)
         cuda.syncthreads()
     if n < N and t < T:
         out[t, n] = acc
+
+
+@device
+def _codes4(raw, n, fmt, k):
+    """Codes k..k+3 of weight row n as one int32 word (the lowest k in the lowest byte); 0 past the rows."""
+    if n >= raw.shape[0]:
+        return np.int32(0)
+    return np.int32(pack4(code(raw, n, fmt, k), code(raw, n, fmt, k + 1), code(raw, n, fmt, k + 2),
+                          code(raw, n, fmt, k + 3)))
+
+
+@device
+def _add_group(acc, raw, raw_h, fmt, has_bias, xd, xs, n, t, g, isum):
+    """acc plus group g's terms of out[t, n], as qmatmul_tiled_kernel adds them."""
+    if n >= raw.shape[0] or t >= xd.shape[0]:
+        return acc
+    scale, bias = group_scale(raw, raw_h, n, fmt, g)
+    acc += scale * xd[t, g] * np.float32(isum)
+    if has_bias:
+        acc += bias * xs[t, g]
+    return acc
+
+
+@kernel(f"void({_Q_ARGS})")
+def qmatmul_mma_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
+    """out (T, N) for formats of 32-value groups, on the tensor cores: each warp a tile of 16
+    weight rows x 8 tokens, one m16n8k32 MMA a group (kernels/cuda/ptx.py: the group's exact
+    int32 sums), the group's float terms added in order of g as qmatmul_tiled_kernel adds them
+    (so the same results). Block (WARP, MMA_WARPS), grid (ceil(N / (16 * MMA_WARPS)), ceil(T / 8))."""
+    scratch_a = cuda.shared.array((MMA_WARPS, WARP, 4), np.int32)  # mma_s8's scratch (simulator only)
+    scratch_b = cuda.shared.array((MMA_WARPS, WARP, 2), np.int32)
+    gid = cuda.threadIdx.x >> 2
+    tig = cuda.threadIdx.x & 3
+    n0 = (cuda.blockIdx.x * MMA_WARPS + cuda.threadIdx.y) * 16
+    t0 = cuda.blockIdx.y * 8
+    T = x_words.shape[0]
+    token = t0 + gid  # the B column this lane loads
+    ta = t0 + 2 * tig  # the tokens of this lane's results
+    acc0 = acc1 = acc2 = acc3 = np.float32(0.0)
+    for g in range(x_words.shape[1] // 8):
+        k = g * 32 + 4 * tig
+        b0 = x_words[token, g * 8 + tig] if token < T else np.int32(0)
+        b1 = x_words[token, g * 8 + 4 + tig] if token < T else np.int32(0)
+        d0, d1, d2, d3 = mma_s8(_codes4(raw, n0 + gid, fmt, k), _codes4(raw, n0 + gid + 8, fmt, k),
+                                _codes4(raw, n0 + gid, fmt, k + 16), _codes4(raw, n0 + gid + 8, fmt, k + 16),
+                                b0, b1, scratch_a, scratch_b)
+        acc0 = _add_group(acc0, raw, raw_h, fmt, has_bias, xd, xs, n0 + gid, ta, g, d0)
+        acc1 = _add_group(acc1, raw, raw_h, fmt, has_bias, xd, xs, n0 + gid, ta + 1, g, d1)
+        acc2 = _add_group(acc2, raw, raw_h, fmt, has_bias, xd, xs, n0 + gid + 8, ta, g, d2)
+        acc3 = _add_group(acc3, raw, raw_h, fmt, has_bias, xd, xs, n0 + gid + 8, ta + 1, g, d3)
+    N = raw.shape[0]
+    if n0 + gid < N and ta < T:
+        out[ta, n0 + gid] = acc0
+    if n0 + gid < N and ta + 1 < T:
+        out[ta + 1, n0 + gid] = acc1
+    if n0 + gid + 8 < N and ta < T:
+        out[ta, n0 + gid + 8] = acc2
+    if n0 + gid + 8 < N and ta + 1 < T:
+        out[ta + 1, n0 + gid + 8] = acc3
 
 
 @kernel("void(float32[:, ::1], float32[:, ::1], float32[:, ::1])",
@@ -254,10 +319,11 @@ def _use_tiled(T: int, batched: bool | None) -> bool:
     return T > MATVEC_MAX_T if batched is None else batched
 
 
-def qmatmul(w: QWeights, act, out, batched: bool | None = None):
+def qmatmul(w: QWeights, act, out, batched: bool | None = None, mma: bool | None = None):
     """out (T, N) = x @ W.T on the device, act the QActivations of x for w's activation kind.
 
-    batched: use the tiled kernel (True) or the matrix-vector one (False, any T); None: by T."""
+    batched: use the tiled kernels (True) or the matrix-vector one (False, any T); None: by T.
+    mma: the tiled product of 32-value groups on the tensor cores (None: as MMA says)."""
     T, K = act.shape
     if K != w.n_cols or out.shape != (T, w.n_rows):
         raise ValueError(f"shapes: W ({w.n_rows}, {w.n_cols}), x ({T}, {K}), out {out.shape}")
@@ -265,6 +331,8 @@ def qmatmul(w: QWeights, act, out, batched: bool | None = None):
     args = (w.raw, w.raw_h, w.fmt, w.group, int(w.has_bias), act.words, xd, xs, out)
     if not _use_tiled(T, batched):
         launch(qmatvec_kernel, (_grid(w.n_rows, MATVEC_ROWS), _grid(T, MATVEC_MAX_T)), (WARP, MATVEC_ROWS), *args)
+    elif (mma if mma is not None else MMA) and w.group == 32:
+        launch(qmatmul_mma_kernel, (_grid(w.n_rows, 16 * MMA_WARPS), _grid(T, 8)), (WARP, MMA_WARPS), *args)
     else:
         launch(qmatmul_tiled_kernel, (_grid(w.n_rows, TILE_N), _grid(T, TILE_T)), (TILE_N, TILE_T), *args)
     return out

@@ -1,6 +1,10 @@
-"""Compile every registered CUDA kernel to PTX, without needing a GPU.
+"""Compile every registered CUDA kernel to PTX, and assemble it to the GPU's machine code
+(a cubin, through nvJitLink), without needing a GPU.
 
     python -m minillm.kernels.cuda.ptx_check [--cc 9.0] [--out DIR]
+
+Assembling checks what compiling to PTX does not: the inline PTX of kernels/cuda/ptx.py (dp4a,
+the tensor cores' mma) and every instruction's operands, as the driver would on first launch.
 
 Needs the real CUDA target (NUMBA_ENABLE_CUDASIM unset) and NVVM, which the `cuda` extra brings
 (numba-cuda[cu13] installs NVVM, NVRTC and libdevice as wheels, found by cuda-pathfinder: no
@@ -47,10 +51,32 @@ def compile_all(cc: tuple[int, int] = (9, 0), report=None) -> dict[tuple[str, st
             for sig in spec.signatures:
                 start = time.perf_counter()
                 ptx, _ = cuda.compile_ptx(spec.pyfunc, sig, cc=cc)
+                cubin = assemble(ptx, cc, spec.name)
                 results[spec.name, sig] = ptx
                 if report:
-                    report(f"{spec.name:28s} {len(ptx):8d} chars of PTX  {time.perf_counter() - start:5.2f} s  {sig}")
+                    report(f"{spec.name:28s} {len(ptx):8d} chars of PTX, {cubin:7d} bytes of sm_{cc[0]}{cc[1]} "
+                           f"code  {time.perf_counter() - start:5.2f} s  {sig}")
     return results
+
+
+def assemble(ptx: str, cc: tuple[int, int], name: str) -> int:
+    """Bytes of the cubin nvJitLink assembles ptx into for compute capability cc; RuntimeError
+    with its log if it refuses the PTX."""
+    from cuda.bindings import nvjitlink
+
+    handle = nvjitlink.create(1, [f"-arch=sm_{cc[0]}{cc[1]}"])
+    try:
+        data = ptx.encode()
+        try:
+            nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), name)
+            nvjitlink.complete(handle)
+        except nvjitlink.nvJitLinkError as exc:
+            log = bytearray(nvjitlink.get_error_log_size(handle))
+            nvjitlink.get_error_log(handle, log)
+            raise RuntimeError(f"{name}: nvJitLink refuses its PTX ({exc}): {log.decode(errors='replace')}") from None
+        return nvjitlink.get_linked_cubin_size(handle)
+    finally:
+        nvjitlink.destroy(handle)
 
 
 def main(argv=None) -> int:
@@ -72,7 +98,7 @@ def main(argv=None) -> int:
             for i, sig in enumerate(sigs):
                 filename = f"{name}.ptx" if len(sigs) == 1 else f"{name}_{i}.ptx"
                 (args.out / filename).write_text(results[name, sig])
-    print(f"compiled {len(results)} kernel signatures for sm_{cc[0]}{cc[1]}")
+    print(f"compiled {len(results)} kernel signatures for sm_{cc[0]}{cc[1]}, each assembled")
     return 0
 
 

@@ -14,6 +14,8 @@
           no upload), their speed on CUDA (and the 1B's on the CPU) and device memory; on the
           1B, decode steps replayed each way (a CUDA graph, prepared launches, direct, none):
           the same logits from each, and each one's time a step
+  mma     prefill products on the tensor cores (MINILLM_CUDA_MMA) against the tiled kernels:
+          pp512 each way and whether the logits are the same (SmolLM2 and the 7B shape)
   batched the batching scheduler on CUDA (SmolLM2 and the 7B shape): aggregate prefill and
           decode (S_PP, S_TG) at 1, 8, 32 and 64 sequences, as `minillm bench --parallel`, and
           batch invariance: a request's tokens and logprobs alone and among 2, 7 and 16
@@ -238,6 +240,32 @@ def bench(model, n_prompt: int = 512, n_gen: int = 128) -> dict:
 BATCH_LEVELS = (1, 8, 32, 64)
 
 
+def compare_mma(model, n_prompt: int = 512, n_logits: int = 16) -> dict:
+    """Prefill with the quantized products on the tensor cores and on the tiled kernels: the
+    tokens/s of each (best of two) and whether a prompt's logits are the same (they must be:
+    the MMA's integer sums are exact and the float terms are added in the same order) for a
+    prompt of n_logits tokens."""
+    from ..kernels.cuda import matmul
+    from .bench import _time_prefill
+
+    ids = np.random.default_rng(2).integers(0, model.n_vocab, size=n_logits)
+    result, logits = {}, {}
+    saved = matmul.MMA
+    try:
+        for name, on in (("tiled", False), ("mma", True)):
+            matmul.MMA = on
+            rng = np.random.default_rng(0)
+            result[f"{name}_pp{n_prompt}_tokens_per_s"] = round(
+                n_prompt / min(_time_prefill(model, rng, n_prompt) for _ in range(2)), 1)
+            logits[name] = model.logits(ids)
+    finally:
+        matmul.MMA = saved
+    result["same_logits"] = bool(np.array_equal(logits["tiled"], logits["mma"]))
+    result["max_abs_diff"] = float(np.abs(logits["tiled"] - logits["mma"]).max())
+    result["ok"] = result["same_logits"]
+    return result
+
+
 def batched(model, levels=BATCH_LEVELS, n_prompt: int = 32, n_gen: int = 32) -> dict:
     """The scheduler's aggregate speed at each level (S_PP, S_TG as llama-batched-bench) and
     its batch invariance (batch_invariance)."""
@@ -348,8 +376,9 @@ def check_models(report: Report, deadline: float) -> None:
                 entry[f"bench_{device}"] = bench(model)
                 report.add(name, entry)
         if name == "smollm2" and time.perf_counter() < deadline:
+            entry["mma_cuda"] = compare_mma(gpu_model)
             entry["batched_cuda"] = batched(gpu_model)
-            entry["ok"] = entry["ok"] and entry["batched_cuda"]["ok"]
+            entry["ok"] = entry["ok"] and entry["batched_cuda"]["ok"] and entry["mma_cuda"]["ok"]
             report.add(name, entry)
         del gpu_model, cpu_model
 
@@ -374,8 +403,9 @@ def check_synthetic(report: Report, deadline: float, shapes=("1b", "7b")) -> Non
             entry["bench_cuda"] = bench(model, 512, 128 if shape != "7b" else 64)
             report.add(key, entry)
             if shape == "7b" and time.perf_counter() < deadline:
+                entry["mma_cuda"] = compare_mma(model)
                 entry["batched_cuda"] = batched(model)
-                entry["ok"] = entry["batched_cuda"]["ok"]
+                entry["ok"] = entry["batched_cuda"]["ok"] and entry["mma_cuda"]["ok"]
                 report.add(key, entry)
             del model
             if shape != "7b" and time.perf_counter() < deadline:
