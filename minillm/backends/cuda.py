@@ -117,6 +117,19 @@ class RowsPlan:
 MAX_REPLAYED_ROWS = 64  # scheduler steps of up to this many rows are recorded and replayed
 
 
+def _replayed(plan: StepPlan | RowsPlan, host: list) -> np.ndarray:
+    """A recorded pass run again: the host inputs (in _leaves order) copied into its buffers, its
+    launches replayed, its logits copied back (the one synchronisation)."""
+    stream = plan.replay.stream or 0
+    for device_array, host_array in zip(plan.inputs, host):
+        device_array.copy_to_device(np.ascontiguousarray(host_array), stream=stream)
+    plan.replay.run()
+    logits = plan.logits.copy_to_host(stream=stream)
+    if stream:
+        stream.synchronize()
+    return logits
+
+
 def _pool_arrays(kv_of, n_layer: int, pad: np.ndarray | None = None) -> list[np.ndarray]:
     """The host arrays of the pool's KVViews (kv_pos, slots, row_seq, tables of each group),
     each once, in layer order: what a rows pass uploads. pad: the rows of a padded batch (the
@@ -282,14 +295,7 @@ class CudaBackend(Backend):
                 [h.shape for h in host] != [d.shape for d in plan.inputs]:
             plan = self._record_rows(ids[pad], positions[pad], kv_of, n_ctx, pad)  # (this step, run)
             return self.arch.finish_logits(plan.logits.copy_to_host()[:T])
-        stream = plan.replay.stream or 0
-        for device_array, host_array in zip(plan.inputs, host):
-            device_array.copy_to_device(np.ascontiguousarray(host_array), stream=stream)
-        plan.replay.run()
-        logits = plan.logits.copy_to_host(stream=stream)
-        if stream:
-            stream.synchronize()
-        return self.arch.finish_logits(logits[:T])
+        return self.arch.finish_logits(_replayed(plan, host)[:T])
 
     def _record_rows(self, ids, positions, kv_of, n_ctx: int, pad: np.ndarray) -> RowsPlan:
         """A rows pass of len(ids) rows (padded: pad) run while its launches are recorded, on
@@ -368,13 +374,7 @@ class CudaBackend(Backend):
         host = _leaves((cache.batch_slots(), self.step_inputs(ids, positions, cache.n_ctx)))
         if [h.shape for h in host] != [d.shape for d in plan.inputs]:
             return self._record_step(ids, cache)
-        stream = plan.replay.stream or 0
-        for device_array, host_array in zip(plan.inputs, host):
-            device_array.copy_to_device(np.ascontiguousarray(host_array), stream=stream)
-        plan.replay.run()
-        logits = plan.logits.copy_to_host(stream=stream)
-        if stream:
-            stream.synchronize()
+        logits = _replayed(plan, host)
         cache.commit(1)
         return self.arch.finish_logits(logits)
 
