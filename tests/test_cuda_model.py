@@ -501,17 +501,39 @@ def test_rows_of_a_mixed_batch_equal_each_sequence_alone_on_the_gpu(model_files)
         assert_logits_match(rows, lone_logits(cpu, ids[:n]))
 
 
-def test_the_scheduler_on_the_gpu_gives_a_request_the_same_tokens_in_any_batch(tmp_path):
+@pytest.fixture(scope="module")
+def vocab_model(tmp_path_factory):
+    """A one-layer Q4_0 Llama on the CUDA backend, with a vocabulary (the scheduler detokenizes;
+    it needs the 256 byte tokens)."""
+    path = SyntheticModel("llama", "Q4_0", n_layer=1, vocab=True, **dict(TINY, n_vocab=260)).build().write(
+        tmp_path_factory.mktemp("cuda_vocab") / "llama-vocab.gguf")
+    return minillm.load(path, device="cuda")
+
+
+def test_the_scheduler_on_the_gpu_gives_a_request_the_same_tokens_in_any_batch(vocab_model):
     """Model.scheduler on a CUDA model, as make gpu-check checks it on a GPU: a request alone and
     inside batches of 2, 7 and 16 (16 on 8 slots: some join later) gets the same sampled tokens
     and logprobs."""
     from minillm.cli import gpu_check
 
-    n_vocab = 260  # a vocabulary (the scheduler detokenizes) needs the 256 byte tokens
-    path = SyntheticModel("llama", "Q4_0", n_layer=1, vocab=True, **dict(TINY, n_vocab=n_vocab)).build().write(
-        tmp_path / "llama-vocab.gguf")
-    model = minillm.load(path, device="cuda")
-    assert gpu_check.batch_invariance(model, sizes=(2, 7, 16), max_tokens=2, prompt_tokens=1, n_ctx=8)
+    assert gpu_check.batch_invariance(vocab_model, sizes=(2, 7, 16), max_tokens=2, prompt_tokens=1, n_ctx=8)
+
+
+def test_prefix_reuse_on_the_gpu_gives_the_tokens_of_a_fresh_run(vocab_model):
+    """A prompt that extends a finished one reuses its cells (the pool's kv_pos, kept on the host
+    and uploaded each step, forgets the rest) and gets what a fresh scheduler gives it."""
+    from minillm.sampling import SamplingParams
+    from minillm.serving.scheduler import Request
+
+    greedy = SamplingParams(temperature=0)
+    scheduler = vocab_model.scheduler(parallel=1, n_ctx=16)
+    first = scheduler.submit(Request([5, 6, 7, 8], 1, greedy, ignore_eos=True)).result()
+    follow = Request([5, 6, 7, 8] + first.tokens + [9], 2, greedy, ignore_eos=True, logprobs=1)
+    h = scheduler.submit(follow)
+    reused = [(c.token, c.logprobs) for c in h if c.token is not None]
+    assert h.n_cached >= 4
+    fresh = vocab_model.scheduler(parallel=1, n_ctx=16).submit(follow)
+    assert reused == [(c.token, c.logprobs) for c in fresh if c.token is not None] and len(reused) == 2
 
 
 def test_speculative_rows_on_the_gpu_equal_each_token_alone(model_files):
