@@ -157,15 +157,15 @@ def test_qmatmul_matches_cpu(fmt, T, path):
 MMA_FORMATS = [f.name for f in FORMATS if f.quantized and f.group == 32]
 
 
-@pytest.mark.parametrize("fmt", MMA_FORMATS)
-def test_tensor_core_product_equals_the_tiled_one(fmt):
+@pytest.mark.parametrize("fmt,T", [(fmt, 5) for fmt in MMA_FORMATS] + [("Q4_0", 19)])
+def test_tensor_core_product_equals_the_tiled_one(fmt, T):
     """qmatmul_mma_kernel (m16n8k32 int8 MMA through inline PTX; its warp-wide fragments gathered
     in Python under the simulator): for the formats of 32-value groups the same results as the
     tiled kernel, bit for bit, over tiles that are partly past the rows and the tokens."""
     f = FORMATS_BY_NAME[fmt]
-    rng = rng_for("mma", fmt)
+    rng = rng_for("mma", fmt, T)
     K = 256 if f.activation == "q8_k" else 96
-    N, T = 18, 5  # a tile of 16 rows and one of 2; 5 of a tile's 8 tokens
+    N = 18  # a tile of 16 rows and one of 2; T: 5 of a tile's 8 tokens, or three tiles, the last partial
     w = gpu.upload_blocks(f, random_blocks(fmt, N, K, rng), K)
     assert w.group == 32
     act = gpu.quantize(cuda.to_device(rng.standard_normal((T, K)).astype(np.float32)), KINDS[f.activation])

@@ -41,7 +41,8 @@ CHUNK_WORDS = 32       # int32 words of K staged per step (128 int8 codes: 4 or 
 CHUNK_F = 32           # float values of K staged per step in the float tiled kernel
 CHUNK_WORDS_PAD = CHUNK_WORDS + 1  # shared row length: the +1 keeps a warp's rows on distinct banks
 CHUNK_F_PAD = CHUNK_F + 1
-MMA_WARPS = 4          # warps per block of qmatmul_mma_kernel, each a tile of 16 weight rows x 8 tokens
+MMA_WARPS = 4          # warps per block of qmatmul_mma_kernel, each 16 weight rows
+MMA_SUBTILES = 8       # tiles of 8 tokens each of its warps takes: a group's decoded codes serve 64 tokens
 # prefill products of 32-value groups on the tensor cores (qmatmul_mma_kernel): "1" turns them on
 # (off until measured on a GPU: make gpu-check compares the two)
 MMA = os.environ.get("MINILLM_CUDA_MMA") == "1"
@@ -144,11 +145,18 @@ def _codes4(raw, n, fmt, k):
 
 
 @device
-def _add_group(acc, raw, raw_h, fmt, has_bias, xd, xs, n, t, g, isum):
-    """acc plus group g's terms of out[t, n], as qmatmul_tiled_kernel adds them."""
-    if n >= raw.shape[0] or t >= xd.shape[0]:
+def _row_group(raw, raw_h, fmt, n, g):
+    """(scale, bias) of group g of weight row n; zeros past the rows."""
+    if n >= raw.shape[0]:
+        return np.float32(0.0), np.float32(0.0)
+    return group_scale(raw, raw_h, n, fmt, g)
+
+
+@device
+def _add_group(acc, scale, bias, has_bias, xd, xs, t, g, isum):
+    """acc plus group g's terms of one output of token t, as qmatmul_tiled_kernel adds them."""
+    if t >= xd.shape[0]:
         return acc
-    scale, bias = group_scale(raw, raw_h, n, fmt, g)
     acc += scale * xd[t, g] * np.float32(isum)
     if has_bias:
         acc += bias * xs[t, g]
@@ -157,40 +165,49 @@ def _add_group(acc, raw, raw_h, fmt, has_bias, xd, xs, n, t, g, isum):
 
 @kernel(f"void({_Q_ARGS})")
 def qmatmul_mma_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
-    """out (T, N) for formats of 32-value groups, on the tensor cores: each warp a tile of 16
-    weight rows x 8 tokens, one m16n8k32 MMA a group (kernels/cuda/ptx.py: the group's exact
-    int32 sums), the group's float terms added in order of g as qmatmul_tiled_kernel adds them
-    (so the same results). Block (WARP, MMA_WARPS), grid (ceil(N / (16 * MMA_WARPS)), ceil(T / 8))."""
+    """out (T, N) for formats of 32-value groups, on the tensor cores: each warp 16 weight rows
+    x MMA_SUBTILES tiles of 8 tokens, one m16n8k32 MMA a group and tile (kernels/cuda/ptx.py:
+    the group's exact int32 sums), the weights' codes decoded once a group for all its tiles;
+    the group's float terms added in order of g as qmatmul_tiled_kernel adds them (so the same
+    results). Block (WARP, MMA_WARPS), grid (ceil(N / (16 * MMA_WARPS)), ceil(T / (8 * MMA_SUBTILES)))."""
     scratch_a = cuda.shared.array((MMA_WARPS, WARP, 4), np.int32)  # mma_s8's scratch (simulator only)
     scratch_b = cuda.shared.array((MMA_WARPS, WARP, 2), np.int32)
+    # per tile, this lane's sums of (row, ta), (row, ta + 1), (row + 8, ta), (row + 8, ta + 1)
+    acc = cuda.local.array((MMA_SUBTILES, 4), np.float32)
     gid = cuda.threadIdx.x >> 2
     tig = cuda.threadIdx.x & 3
-    n0 = (cuda.blockIdx.x * MMA_WARPS + cuda.threadIdx.y) * 16
-    t0 = cuda.blockIdx.y * 8
+    row = (cuda.blockIdx.x * MMA_WARPS + cuda.threadIdx.y) * 16 + gid  # and row + 8
+    t_first = cuda.blockIdx.y * 8 * MMA_SUBTILES
     T = x_words.shape[0]
-    token = t0 + gid  # the B column this lane loads
-    ta = t0 + 2 * tig  # the tokens of this lane's results
-    acc0 = acc1 = acc2 = acc3 = np.float32(0.0)
+    for s in range(MMA_SUBTILES):
+        for i in range(4):
+            acc[s, i] = np.float32(0.0)
     for g in range(x_words.shape[1] // 8):
         k = g * 32 + 4 * tig
-        b0 = x_words[token, g * 8 + tig] if token < T else np.int32(0)
-        b1 = x_words[token, g * 8 + 4 + tig] if token < T else np.int32(0)
-        d0, d1, d2, d3 = mma_s8(_codes4(raw, n0 + gid, fmt, k), _codes4(raw, n0 + gid + 8, fmt, k),
-                                _codes4(raw, n0 + gid, fmt, k + 16), _codes4(raw, n0 + gid + 8, fmt, k + 16),
-                                b0, b1, scratch_a, scratch_b)
-        acc0 = _add_group(acc0, raw, raw_h, fmt, has_bias, xd, xs, n0 + gid, ta, g, d0)
-        acc1 = _add_group(acc1, raw, raw_h, fmt, has_bias, xd, xs, n0 + gid, ta + 1, g, d1)
-        acc2 = _add_group(acc2, raw, raw_h, fmt, has_bias, xd, xs, n0 + gid + 8, ta, g, d2)
-        acc3 = _add_group(acc3, raw, raw_h, fmt, has_bias, xd, xs, n0 + gid + 8, ta + 1, g, d3)
+        a0, a1 = _codes4(raw, row, fmt, k), _codes4(raw, row + 8, fmt, k)
+        a2, a3 = _codes4(raw, row, fmt, k + 16), _codes4(raw, row + 8, fmt, k + 16)
+        scale_lo, bias_lo = _row_group(raw, raw_h, fmt, row, g)
+        scale_hi, bias_hi = _row_group(raw, raw_h, fmt, row + 8, g)
+        for s in range(MMA_SUBTILES):
+            t0 = t_first + 8 * s
+            if t0 >= T:  # (the same for the whole block: every warp stops alike)
+                break
+            token = t0 + gid  # the B column this lane loads
+            b0 = x_words[token, g * 8 + tig] if token < T else np.int32(0)
+            b1 = x_words[token, g * 8 + 4 + tig] if token < T else np.int32(0)
+            d0, d1, d2, d3 = mma_s8(a0, a1, a2, a3, b0, b1, scratch_a, scratch_b)
+            ta = t0 + 2 * tig  # the tokens of this lane's results: ta and ta + 1
+            acc[s, 0] = _add_group(acc[s, 0], scale_lo, bias_lo, has_bias, xd, xs, ta, g, d0)
+            acc[s, 1] = _add_group(acc[s, 1], scale_lo, bias_lo, has_bias, xd, xs, ta + 1, g, d1)
+            acc[s, 2] = _add_group(acc[s, 2], scale_hi, bias_hi, has_bias, xd, xs, ta, g, d2)
+            acc[s, 3] = _add_group(acc[s, 3], scale_hi, bias_hi, has_bias, xd, xs, ta + 1, g, d3)
     N = raw.shape[0]
-    if n0 + gid < N and ta < T:
-        out[ta, n0 + gid] = acc0
-    if n0 + gid < N and ta + 1 < T:
-        out[ta + 1, n0 + gid] = acc1
-    if n0 + gid + 8 < N and ta < T:
-        out[ta, n0 + gid + 8] = acc2
-    if n0 + gid + 8 < N and ta + 1 < T:
-        out[ta + 1, n0 + gid + 8] = acc3
+    for s in range(MMA_SUBTILES):
+        for i in range(4):
+            n = row + 8 * (i >> 1)
+            t = t_first + 8 * s + 2 * tig + (i & 1)
+            if n < N and t < T:
+                out[t, n] = acc[s, i]
 
 
 @kernel("void(float32[:, ::1], float32[:, ::1], float32[:, ::1])",
@@ -332,7 +349,8 @@ def qmatmul(w: QWeights, act, out, batched: bool | None = None, mma: bool | None
     if not _use_tiled(T, batched):
         launch(qmatvec_kernel, (_grid(w.n_rows, MATVEC_ROWS), _grid(T, MATVEC_MAX_T)), (WARP, MATVEC_ROWS), *args)
     elif (mma if mma is not None else MMA) and w.group == 32:
-        launch(qmatmul_mma_kernel, (_grid(w.n_rows, 16 * MMA_WARPS), _grid(T, 8)), (WARP, MMA_WARPS), *args)
+        launch(qmatmul_mma_kernel, (_grid(w.n_rows, 16 * MMA_WARPS), _grid(T, 8 * MMA_SUBTILES)), (WARP, MMA_WARPS),
+               *args)
     else:
         launch(qmatmul_tiled_kernel, (_grid(w.n_rows, TILE_N), _grid(T, TILE_T)), (TILE_N, TILE_T), *args)
     return out
