@@ -27,14 +27,13 @@ import numpy as np
 from numba import cuda
 
 from .blocks import FORMAT_IDS, code, group_scale
-from .device import WARP, f16_round, pack4, pow2_threads, signed_byte, warp_sum
+from .device import WARP, f16_round, pack4, pow2_threads, warp_sum
 from .launch import launch
 from .ptx import dp4a, mma_s8
 from .registry import device, kernel
 
 MATVEC_ROWS = 4        # rows (warps) per block of the matrix-vector kernels
 MATVEC_MAX_T = 4       # batches up to this many tokens use the matrix-vector kernels
-MAX_GROUP = 32         # the largest group of codes sharing one scale
 TILE_N = 16            # weight rows per block of the tiled kernels
 TILE_T = 16            # tokens per block of the tiled kernels
 CHUNK_WORDS = 32       # int32 words of K staged per step (128 int8 codes: 4 or 8 whole groups)
@@ -54,36 +53,39 @@ _Q_ARGS = ("uint8[:, ::1], float16[:, ::1], int64, int64, int64, "
 @kernel(f"void({_Q_ARGS})")
 def qmatvec_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
     """out (T, N), tokens MATVEC_MAX_T at a time: block (WARP, MATVEC_ROWS), grid
-    (ceil(N / MATVEC_ROWS), ceil(T / MATVEC_MAX_T)). A token's sums do not depend on the others."""
+    (ceil(N / MATVEC_ROWS), ceil(T / MATVEC_MAX_T)). A token's sums do not depend on the others.
+    Each word of 4 codes is decoded once for the block's tokens and summed with dp4a; the loops
+    over tokens have a constant bound, so the per-token sums stay in registers."""
     partial = cuda.shared.array((MATVEC_ROWS, WARP), np.float32)  # warp_sum's scratch (simulator only)
-    codes = cuda.local.array(MAX_GROUP, np.int32)   # (group,) the codes of the lane's group
+    isum = cuda.local.array(MATVEC_MAX_T, np.int32)   # (MATVEC_MAX_T,) the group's integer sums
     acc = cuda.local.array(MATVEC_MAX_T, np.float32)  # (MATVEC_MAX_T,) the lane's partial sums
     lane = cuda.threadIdx.x
     n = cuda.blockIdx.x * MATVEC_ROWS + cuda.threadIdx.y
     t0 = cuda.blockIdx.y * MATVEC_MAX_T
-    n_t = min(MATVEC_MAX_T, out.shape[0] - t0)
-    N = raw.shape[0]
-    n_groups = x_words.shape[1] * 4 // group
-    for t in range(n_t):
+    n_t = min(MATVEC_MAX_T, out.shape[0] - t0)  # (the same for the whole block)
+    words = group // 4
+    for t in range(MATVEC_MAX_T):
         acc[t] = np.float32(0.0)
-    if n < N:
-        for g in range(lane, n_groups, WARP):
-            for j in range(group):
-                codes[j] = code(raw, n, fmt, g * group + j)
+    if n < raw.shape[0]:
+        for g in range(lane, x_words.shape[1] // words, WARP):
+            for t in range(MATVEC_MAX_T):
+                isum[t] = np.int32(0)
+            for w in range(words):
+                word = _codes4(raw, n, fmt, g * group + 4 * w)
+                for t in range(MATVEC_MAX_T):
+                    if t < n_t:
+                        isum[t] = dp4a(word, x_words[t0 + t, g * words + w], isum[t])
             scale, bias = group_scale(raw, raw_h, n, fmt, g)
-            for t in range(n_t):
-                isum = 0
-                for w in range(group // 4):
-                    x_word = x_words[t0 + t, g * (group // 4) + w]
-                    for j in range(4):
-                        isum += codes[4 * w + j] * signed_byte(x_word, j)
-                acc[t] += scale * xd[t0 + t, g] * np.float32(isum)
-                if has_bias:
-                    acc[t] += bias * xs[t0 + t, g]
-    for t in range(n_t):
-        total = warp_sum(acc[t], partial)
-        if lane == 0 and n < N:
-            out[t0 + t, n] = total
+            for t in range(MATVEC_MAX_T):
+                if t < n_t:
+                    acc[t] += scale * xd[t0 + t, g] * np.float32(isum[t])
+                    if has_bias:
+                        acc[t] += bias * xs[t0 + t, g]
+    for t in range(MATVEC_MAX_T):
+        if t < n_t:
+            total = warp_sum(acc[t], partial)
+            if lane == 0 and n < raw.shape[0]:
+                out[t0 + t, n] = total
 
 
 @kernel(f"void({_Q_ARGS})")

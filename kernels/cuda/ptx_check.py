@@ -5,6 +5,8 @@
 
 Assembling checks what compiling to PTX does not: the inline PTX of kernels/cuda/ptx.py (dp4a,
 the tensor cores' mma) and every instruction's operands, as the driver would on first launch.
+Each line also gives ptxas's registers a thread and stack bytes: a kernel's local arrays that
+did not stay in registers (indexed by a value the compiler cannot unroll) show as stack.
 
 Needs the real CUDA target (NUMBA_ENABLE_CUDASIM unset) and NVVM, which the `cuda` extra brings
 (numba-cuda[cu13] installs NVVM, NVRTC and libdevice as wheels, found by cuda-pathfinder: no
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import sys
 import time
 import types
@@ -51,32 +54,46 @@ def compile_all(cc: tuple[int, int] = (9, 0), report=None) -> dict[tuple[str, st
             for sig in spec.signatures:
                 start = time.perf_counter()
                 ptx, _ = cuda.compile_ptx(spec.pyfunc, sig, cc=cc)
-                cubin = assemble(ptx, cc, spec.name)
+                code = assemble(ptx, cc, spec.name)
                 results[spec.name, sig] = ptx
                 if report:
-                    report(f"{spec.name:28s} {len(ptx):8d} chars of PTX, {cubin:7d} bytes of sm_{cc[0]}{cc[1]} "
-                           f"code  {time.perf_counter() - start:5.2f} s  {sig}")
+                    report(f"{spec.name:24s} {len(ptx):7d} chars of PTX, {code['cubin_bytes']:7d} bytes of "
+                           f"sm_{cc[0]}{cc[1]} code, {code['registers']:3d} registers, {code['stack_bytes']:4d} B stack "
+                           f" {time.perf_counter() - start:5.2f} s  {sig}")
     return results
 
 
-def assemble(ptx: str, cc: tuple[int, int], name: str) -> int:
-    """Bytes of the cubin nvJitLink assembles ptx into for compute capability cc; RuntimeError
-    with its log if it refuses the PTX."""
+def assemble(ptx: str, cc: tuple[int, int], name: str) -> dict:
+    """ptx assembled by nvJitLink for compute capability cc: the cubin's bytes, and ptxas's
+    registers a thread and stack bytes (local memory: arrays not kept in registers, spills);
+    RuntimeError with its log if it refuses the PTX."""
     from cuda.bindings import nvjitlink
 
-    handle = nvjitlink.create(1, [f"-arch=sm_{cc[0]}{cc[1]}"])
+    handle = nvjitlink.create(2, [f"-arch=sm_{cc[0]}{cc[1]}", "-verbose"])
     try:
         data = ptx.encode()
         try:
             nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), name)
             nvjitlink.complete(handle)
         except nvjitlink.nvJitLinkError as exc:
-            log = bytearray(nvjitlink.get_error_log_size(handle))
-            nvjitlink.get_error_log(handle, log)
-            raise RuntimeError(f"{name}: nvJitLink refuses its PTX ({exc}): {log.decode(errors='replace')}") from None
-        return nvjitlink.get_linked_cubin_size(handle)
+            raise RuntimeError(f"{name}: nvJitLink refuses its PTX ({exc}): {_log(handle, 'error')}") from None
+        info = _log(handle, "info")
+        registers = re.search(r"Used (\d+) registers", info)
+        stack = re.search(r"(\d+) bytes stack frame", info)
+        return {"cubin_bytes": nvjitlink.get_linked_cubin_size(handle),
+                "registers": int(registers.group(1)) if registers else -1,
+                "stack_bytes": int(stack.group(1)) if stack else -1}
     finally:
         nvjitlink.destroy(handle)
+
+
+def _log(handle, kind: str) -> str:
+    from cuda.bindings import nvjitlink
+
+    size = getattr(nvjitlink, f"get_{kind}_log_size")(handle)
+    log = bytearray(size)
+    getattr(nvjitlink, f"get_{kind}_log")(handle, log)
+    return log.decode(errors="replace")
 
 
 def main(argv=None) -> int:
