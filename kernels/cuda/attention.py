@@ -227,7 +227,7 @@ def v_expf(x):
 @kernel(_TILED_SIG)
 def attention_tiled_kernel(q, q_pos, kcache, vcache, kv_pos, n_keep, window, q_scale, scale, softcap, out):
     """The tiled path (module doc) for row t = blockIdx.y of q (T, H*D) (times q_scale, as the CPU
-    layer scales q) and head h = blockIdx.x; other arguments as attention_kernel's. Block (TILE,):
+    layer scales q) and head h = blockIdx.x; other arguments as attention_runs_kernel's. Block (TILE,):
     thread i scores cell c0 + i of each tile, then sums values i, i + TILE, ... of the head."""
     q_sh = cuda.shared.array(MAX_HEAD_DIM, np.float32)   # (D,) the query
     acc_sh = cuda.shared.array(MAX_HEAD_DIM, np.float32)  # (D,) the unnormalized V sum
