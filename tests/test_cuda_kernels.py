@@ -33,6 +33,7 @@ from minillm.weights import Matrix  # noqa: E402
 
 # modules the package shadows with functions of their names
 gpu_attention = importlib.import_module("minillm.kernels.cuda.attention")
+gpu_launch = importlib.import_module("minillm.kernels.cuda.launch")
 gpu_matmul = importlib.import_module("minillm.kernels.cuda.matmul")
 gpu_ptx = importlib.import_module("minillm.kernels.cuda.ptx")
 
@@ -174,6 +175,24 @@ def test_tensor_core_product_equals_the_tiled_one(fmt, T):
     gpu.qmatmul(w, act, mma, batched=True, mma=True)
     np.testing.assert_array_equal(to_host(mma), to_host(tiled))
     assert np.abs(to_host(tiled)).max() > 0
+
+
+def test_tensor_core_rows_equal_the_matrix_vector_product(fmt="Q4_1"):
+    """qmatvec_mma_kernel (the scheduler's rows on the tensor cores) gives each output the same
+    float32 as qmatvec_kernel, bit for bit: 34 groups (two of the 32 classes hold two), 10 rows
+    (a tile of 16, partly past them) and 11 tokens (a whole tile of 8 and 3 of the next)."""
+    f = FORMATS_BY_NAME[fmt]
+    rng = rng_for("rows mma", fmt)
+    N, K, T = 10, 34 * 32, gpu_matmul.ROWS_MMA_MIN_T + 3
+    w = gpu.upload_blocks(f, random_blocks(fmt, N, K, rng), K)
+    act = gpu.quantize(cuda.to_device(rng.standard_normal((T, K)).astype(np.float32)), KINDS[f.activation])
+    matvec, mma = (cuda.device_array((T, N), np.float32) for _ in range(2))
+    gpu.qmatmul(w, act, matvec, batched=False, mma=False)
+    with gpu_launch.recording() as launches:
+        gpu.qmatmul(w, act, mma, batched=False, mma=True)
+    assert [item.kernel for item in launches] == [gpu_matmul.qmatvec_mma_kernel]
+    np.testing.assert_array_equal(to_host(mma), to_host(matvec))
+    assert np.abs(to_host(matvec)).min() > 0
 
 
 def test_mma_fragments_follow_the_ptx_layout():

@@ -440,27 +440,6 @@ def test_gpu_check_compares_the_replay_modes(two_layer_q4_0):
         assert result[mode]["launches_per_step"] == per_layer * 2 + LAUNCHES_AFTER_THE_LAYERS
 
 
-def test_gpu_check_compares_the_tensor_core_prefill_with_the_tiled_one(model_files, monkeypatch):
-    """make gpu-check's MMA stage runs and finds the same logits both ways (the model's Q4_0,
-    Q4_1, Q5_0, Q5_1 and Q8_0 matrices take the tensor cores)."""
-    from minillm.cli import gpu_check
-    from minillm.kernels.cuda import matmul
-
-    launched = []
-
-    def launch(kernel, *args):
-        launched.append(kernel)
-        real_launch(kernel, *args)
-
-    real_launch = matmul.launch
-    monkeypatch.setattr(matmul, "launch", launch)
-    model = minillm.load(model_files["llama-small-formats"], device="cuda")
-    result = gpu_check.compare_mma(model, n_prompt=2, n_logits=3)
-    assert result["ok"] and result["max_abs_diff"] == 0.0 and result["mma_pp2_tokens_per_s"] > 0
-    assert matmul.qmatmul_mma_kernel in launched and matmul.qmatmul_tiled_kernel in launched
-    assert matmul.MMA is False  # put back
-
-
 @pytest.mark.parametrize("name", ["llama-k-quants", "gemma3-global-k-quants"])
 def test_quantized_weights_take_the_files_bytes_on_the_device(model_files, name):
     """The blocks are uploaded as the file holds them (no widening to int8 codes and float
@@ -508,6 +487,27 @@ def vocab_model(tmp_path_factory):
     path = SyntheticModel("llama", "Q4_0", n_layer=1, vocab=True, **dict(TINY, n_vocab=260)).build().write(
         tmp_path_factory.mktemp("cuda_vocab") / "llama-vocab.gguf")
     return minillm.load(path, device="cuda")
+
+
+def test_gpu_check_compares_the_tensor_core_products_with_the_others(vocab_model, monkeypatch):
+    """make gpu-check's MMA stage runs, prefill and the scheduler's rows each way, and finds the
+    same logits both ways (test_cuda_kernels checks each format's products bit for bit)."""
+    from minillm.cli import gpu_check
+    from minillm.kernels.cuda import matmul
+
+    launched = []
+
+    def launch(kernel, *args):
+        launched.append(kernel)
+        real_launch(kernel, *args)
+
+    real_launch = matmul.launch
+    monkeypatch.setattr(matmul, "launch", launch)
+    result = gpu_check.compare_mma(vocab_model, n_prompt=2, n_logits=3, n_seq=1, seq_tokens=1)
+    assert result["ok"] and result["max_abs_diff"] == 0.0 and result["mma_pp2_tokens_per_s"] > 0
+    assert result["mma_s_tg1_tokens_per_s"] > 0 and result["tiled_s_tg1_tokens_per_s"] > 0
+    assert matmul.qmatmul_mma_kernel in launched and matmul.qmatmul_tiled_kernel in launched
+    assert matmul.MMA is False  # put back
 
 
 def test_the_scheduler_on_the_gpu_gives_a_request_the_same_tokens_in_any_batch(vocab_model):

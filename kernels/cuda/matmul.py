@@ -13,6 +13,9 @@ the group's float32 terms added in order of g, as ggml sums a row's blocks. Two 
     a token's result is the same whatever the other tokens;
   - qmatmul_tiled_kernel (prefill): TILE_N rows x TILE_T tokens per block, K walked in chunks of
     CHUNK_WORDS words of 4 codes, decoded into shared memory, each thread one output.
+For formats of 32-value groups each has a twin on the tensor cores (int8 MMA; MINILLM_CUDA_MMA)
+with its results bit for bit: qmatmul_mma_kernel (prefill) and qmatvec_mma_kernel (the
+scheduler's rows from ROWS_MMA_MIN_T tokens: the weights read once for 32 rows, not 4).
 The float kernels (fmatvec_kernel, fmatmul_tiled_kernel) have the same shapes for F32/F16/BF16
 weights (kept as float16 on the device for F16, float32 otherwise); as on the CPU's float path
 (kernels/cpu/layers.py), the activations are first rounded to the weight type (round_f16_kernel,
@@ -42,12 +45,45 @@ CHUNK_WORDS_PAD = CHUNK_WORDS + 1  # shared row length: the +1 keeps a warp's ro
 CHUNK_F_PAD = CHUNK_F + 1
 MMA_WARPS = 4          # warps per block of qmatmul_mma_kernel, each 16 weight rows
 MMA_SUBTILES = 8       # tiles of 8 tokens each of its warps takes: a group's decoded codes serve 64 tokens
-# prefill products of 32-value groups on the tensor cores (qmatmul_mma_kernel): "1" turns them on
-# (off until measured on a GPU: make gpu-check compares the two)
+ROWS_MMA_WARPS = 8     # warps per block of qmatvec_mma_kernel, each 4 of qmatvec's 32 lanes (classes)
+ROWS_MMA_SUBTILES = 4  # tiles of 8 tokens a block of qmatvec_mma_kernel takes
+ROWS_MMA_TOKENS = 8 * ROWS_MMA_SUBTILES
+ROWS_MMA_MIN_T = 8     # the scheduler's rows take it from this many tokens (one whole tile)
+# products of 32-value groups on the tensor cores (qmatmul_mma_kernel for prefill, qmatvec_mma_kernel
+# for the scheduler's rows): "1" turns them on (off until measured on a GPU: make gpu-check compares)
 MMA = os.environ.get("MINILLM_CUDA_MMA") == "1"
 
 _Q_ARGS = ("uint8[:, ::1], float16[:, ::1], int64, int64, int64, "
            "int32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1]")
+
+
+@device
+def _codes4(raw, n, fmt, k):
+    """Codes k..k+3 of weight row n as one int32 word (the lowest k in the lowest byte); 0 past the rows."""
+    if n >= raw.shape[0]:
+        return np.int32(0)
+    return np.int32(pack4(code(raw, n, fmt, k), code(raw, n, fmt, k + 1), code(raw, n, fmt, k + 2),
+                          code(raw, n, fmt, k + 3)))
+
+
+@device
+def _row_group(raw, raw_h, fmt, n, g):
+    """(scale, bias) of group g of weight row n; zeros past the rows."""
+    if n >= raw.shape[0]:
+        return np.float32(0.0), np.float32(0.0)
+    return group_scale(raw, raw_h, n, fmt, g)
+
+
+@device
+def _add_group(acc, scale, bias, has_bias, xd, xs, t, g, isum):
+    """acc plus group g's terms of one output of token t (the float terms of every quantized
+    product here: one expression, so the GPU compiler contracts it alike in each kernel)."""
+    if t >= xd.shape[0]:
+        return acc
+    acc += scale * xd[t, g] * np.float32(isum)
+    if has_bias:
+        acc += bias * xs[t, g]
+    return acc
 
 
 @kernel(f"void({_Q_ARGS})")
@@ -78,9 +114,7 @@ def qmatvec_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
             scale, bias = group_scale(raw, raw_h, n, fmt, g)
             for t in range(MATVEC_MAX_T):
                 if t < n_t:
-                    acc[t] += scale * xd[t0 + t, g] * np.float32(isum[t])
-                    if has_bias:
-                        acc[t] += bias * xs[t0 + t, g]
+                    acc[t] = _add_group(acc[t], scale, bias, has_bias, xd, xs, t0 + t, g, isum[t])
     for t in range(MATVEC_MAX_T):
         if t < n_t:
             total = warp_sum(acc[t], partial)
@@ -129,87 +163,138 @@ def qmatmul_tiled_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out)
                     isum = dp4a(w_sh[tn, j], x_sh[tt, j], isum)
                 g = g0 + gi
                 scale, bias = group_scale(raw, raw_h, n, fmt, g)
-                acc += scale * xd[t, g] * np.float32(isum)
-                if has_bias:
-                    acc += bias * xs[t, g]
+                acc = _add_group(acc, scale, bias, has_bias, xd, xs, t, g, isum)
         cuda.syncthreads()
     if n < N and t < T:
         out[t, n] = acc
 
 
 @device
-def _codes4(raw, n, fmt, k):
-    """Codes k..k+3 of weight row n as one int32 word (the lowest k in the lowest byte); 0 past the rows."""
-    if n >= raw.shape[0]:
-        return np.int32(0)
-    return np.int32(pack4(code(raw, n, fmt, k), code(raw, n, fmt, k + 1), code(raw, n, fmt, k + 2),
-                          code(raw, n, fmt, k + 3)))
-
-
-@device
-def _row_group(raw, raw_h, fmt, n, g):
-    """(scale, bias) of group g of weight row n; zeros past the rows."""
-    if n >= raw.shape[0]:
-        return np.float32(0.0), np.float32(0.0)
-    return group_scale(raw, raw_h, n, fmt, g)
-
-
-@device
-def _add_group(acc, scale, bias, has_bias, xd, xs, t, g, isum):
-    """acc plus group g's terms of one output of token t, as qmatmul_tiled_kernel adds them."""
-    if t >= xd.shape[0]:
-        return acc
-    acc += scale * xd[t, g] * np.float32(isum)
-    if has_bias:
-        acc += bias * xs[t, g]
-    return acc
+def _mma_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row, g, live, t_first, n_tiles, acc, scratch_a,
+               scratch_b):
+    """Group g's terms for weight rows row and row + 8 (this lane's gid) and n_tiles tiles of 8
+    tokens from t_first, added to acc (n_tiles, 4) if live: the codes decoded once, one m16n8k32
+    MMA a tile (kernels/cuda/ptx.py: the group's exact int32 sums). acc[s] holds this lane's sums
+    of (row, ta), (row, ta + 1), (row + 8, ta), (row + 8, ta + 1), ta = t_first + 8 s + 2 tig.
+    A warp-collective: every lane of the block calls it alike (live or not)."""
+    tig = cuda.threadIdx.x & 3
+    T = x_words.shape[0]
+    k = g * 32 + 4 * tig
+    a0, a1 = _codes4(raw, row, fmt, k), _codes4(raw, row + 8, fmt, k)
+    a2, a3 = _codes4(raw, row, fmt, k + 16), _codes4(raw, row + 8, fmt, k + 16)
+    scale_lo, bias_lo = _row_group(raw, raw_h, fmt, row, g)
+    scale_hi, bias_hi = _row_group(raw, raw_h, fmt, row + 8, g)
+    for s in range(n_tiles):
+        t0 = t_first + 8 * s
+        if t0 >= T:  # (the same for the whole block: every warp stops alike)
+            break
+        token = t0 + (cuda.threadIdx.x >> 2)  # the B column this lane loads
+        b0 = x_words[token, g * 8 + tig] if token < T else np.int32(0)
+        b1 = x_words[token, g * 8 + 4 + tig] if token < T else np.int32(0)
+        d0, d1, d2, d3 = mma_s8(a0, a1, a2, a3, b0, b1, scratch_a, scratch_b)
+        ta = t0 + 2 * tig
+        if not live:
+            continue
+        acc[s, 0] = _add_group(acc[s, 0], scale_lo, bias_lo, has_bias, xd, xs, ta, g, d0)
+        acc[s, 1] = _add_group(acc[s, 1], scale_lo, bias_lo, has_bias, xd, xs, ta + 1, g, d1)
+        acc[s, 2] = _add_group(acc[s, 2], scale_hi, bias_hi, has_bias, xd, xs, ta, g, d2)
+        acc[s, 3] = _add_group(acc[s, 3], scale_hi, bias_hi, has_bias, xd, xs, ta + 1, g, d3)
 
 
 @kernel(f"void({_Q_ARGS})")
 def qmatmul_mma_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
     """out (T, N) for formats of 32-value groups, on the tensor cores: each warp 16 weight rows
-    x MMA_SUBTILES tiles of 8 tokens, one m16n8k32 MMA a group and tile (kernels/cuda/ptx.py:
-    the group's exact int32 sums), the weights' codes decoded once a group for all its tiles;
-    the group's float terms added in order of g as qmatmul_tiled_kernel adds them (so the same
-    results). Block (WARP, MMA_WARPS), grid (ceil(N / (16 * MMA_WARPS)), ceil(T / (8 * MMA_SUBTILES)))."""
+    x MMA_SUBTILES tiles of 8 tokens (_mma_group), the group's float terms added in order of g
+    as qmatmul_tiled_kernel adds them (so the same results).
+    Block (WARP, MMA_WARPS), grid (ceil(N / (16 * MMA_WARPS)), ceil(T / (8 * MMA_SUBTILES)))."""
     scratch_a = cuda.shared.array((MMA_WARPS, WARP, 4), np.int32)  # mma_s8's scratch (simulator only)
     scratch_b = cuda.shared.array((MMA_WARPS, WARP, 2), np.int32)
-    # per tile, this lane's sums of (row, ta), (row, ta + 1), (row + 8, ta), (row + 8, ta + 1)
-    acc = cuda.local.array((MMA_SUBTILES, 4), np.float32)
+    acc = cuda.local.array((MMA_SUBTILES, 4), np.float32)  # per tile, as _mma_group says
     gid = cuda.threadIdx.x >> 2
     tig = cuda.threadIdx.x & 3
     row = (cuda.blockIdx.x * MMA_WARPS + cuda.threadIdx.y) * 16 + gid  # and row + 8
     t_first = cuda.blockIdx.y * 8 * MMA_SUBTILES
-    T = x_words.shape[0]
     for s in range(MMA_SUBTILES):
         for i in range(4):
             acc[s, i] = np.float32(0.0)
     for g in range(x_words.shape[1] // 8):
-        k = g * 32 + 4 * tig
-        a0, a1 = _codes4(raw, row, fmt, k), _codes4(raw, row + 8, fmt, k)
-        a2, a3 = _codes4(raw, row, fmt, k + 16), _codes4(raw, row + 8, fmt, k + 16)
-        scale_lo, bias_lo = _row_group(raw, raw_h, fmt, row, g)
-        scale_hi, bias_hi = _row_group(raw, raw_h, fmt, row + 8, g)
-        for s in range(MMA_SUBTILES):
-            t0 = t_first + 8 * s
-            if t0 >= T:  # (the same for the whole block: every warp stops alike)
-                break
-            token = t0 + gid  # the B column this lane loads
-            b0 = x_words[token, g * 8 + tig] if token < T else np.int32(0)
-            b1 = x_words[token, g * 8 + 4 + tig] if token < T else np.int32(0)
-            d0, d1, d2, d3 = mma_s8(a0, a1, a2, a3, b0, b1, scratch_a, scratch_b)
-            ta = t0 + 2 * tig  # the tokens of this lane's results: ta and ta + 1
-            acc[s, 0] = _add_group(acc[s, 0], scale_lo, bias_lo, has_bias, xd, xs, ta, g, d0)
-            acc[s, 1] = _add_group(acc[s, 1], scale_lo, bias_lo, has_bias, xd, xs, ta + 1, g, d1)
-            acc[s, 2] = _add_group(acc[s, 2], scale_hi, bias_hi, has_bias, xd, xs, ta, g, d2)
-            acc[s, 3] = _add_group(acc[s, 3], scale_hi, bias_hi, has_bias, xd, xs, ta + 1, g, d3)
-    N = raw.shape[0]
+        _mma_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row, g, True, t_first, MMA_SUBTILES, acc,
+                   scratch_a, scratch_b)
+    N, T = raw.shape[0], x_words.shape[0]
     for s in range(MMA_SUBTILES):
         for i in range(4):
             n = row + 8 * (i >> 1)
             t = t_first + 8 * s + 2 * tig + (i & 1)
             if n < N and t < T:
                 out[t, n] = acc[s, i]
+
+
+@device
+def _class_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row, g, t_first, acc, scratch_a, scratch_b):
+    """_mma_group for group g of a class, or (past the last group) the same instructions adding nothing."""
+    n_groups = x_words.shape[1] // 8
+    _mma_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row, min(g, n_groups - 1), g < n_groups, t_first,
+               ROWS_MMA_SUBTILES, acc, scratch_a, scratch_b)
+
+
+@kernel(f"void({_Q_ARGS})")
+def qmatvec_mma_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
+    """out (T, N) for formats of 32-value groups on the tensor cores, each output the same
+    float32 as qmatvec_kernel's (so a row's result still does not depend on the other rows).
+    qmatvec's lane c sums the groups g = c (mod 32) in order, then warp_sum adds the 32 lanes'
+    sums by a tree (c += c + 16, c += c + 8, ... for c below the offset). Here that lane is a
+    class of groups, and warp w takes classes w, w + 8, w + 16 and w + 24 (acc0..acc3) for 16
+    weight rows x ROWS_MMA_SUBTILES tiles of 8 tokens (_mma_group). The tree's first two levels
+    pair classes of the same warp, so they are added in registers; the last three across the 8
+    warps, in shared memory. Block (WARP, ROWS_MMA_WARPS = 8), grid (ceil(N / 16),
+    ceil(T / (8 * ROWS_MMA_SUBTILES)))."""
+    scratch_a = cuda.shared.array((ROWS_MMA_WARPS, WARP, 4), np.int32)  # mma_s8's scratch (simulator only)
+    scratch_b = cuda.shared.array((ROWS_MMA_WARPS, WARP, 2), np.int32)
+    tiles = cuda.shared.array((ROWS_MMA_WARPS, 16, ROWS_MMA_TOKENS), np.float32)  # (class, row, token)
+    # one array per class, not one indexed by class: a loop over classes is not unrolled, and an
+    # array indexed in it is not kept in registers
+    acc0 = cuda.local.array((ROWS_MMA_SUBTILES, 4), np.float32)  # per tile, as _mma_group says
+    acc1 = cuda.local.array((ROWS_MMA_SUBTILES, 4), np.float32)
+    acc2 = cuda.local.array((ROWS_MMA_SUBTILES, 4), np.float32)
+    acc3 = cuda.local.array((ROWS_MMA_SUBTILES, 4), np.float32)
+    gid = cuda.threadIdx.x >> 2
+    tig = cuda.threadIdx.x & 3
+    warp = cuda.threadIdx.y
+    row0 = cuda.blockIdx.x * 16
+    t_first = cuda.blockIdx.y * ROWS_MMA_TOKENS
+    n_groups = x_words.shape[1] // 8
+    for s in range(ROWS_MMA_SUBTILES):
+        for i in range(4):
+            acc0[s, i] = acc1[s, i] = acc2[s, i] = acc3[s, i] = np.float32(0.0)
+    for r in range((n_groups + WARP - 1) // WARP):  # as many rounds for every warp
+        g = warp + WARP * r
+        _class_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row0 + gid, g, t_first, acc0, scratch_a, scratch_b)
+        g += ROWS_MMA_WARPS
+        _class_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row0 + gid, g, t_first, acc1, scratch_a, scratch_b)
+        g += ROWS_MMA_WARPS
+        _class_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row0 + gid, g, t_first, acc2, scratch_a, scratch_b)
+        g += ROWS_MMA_WARPS
+        _class_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row0 + gid, g, t_first, acc3, scratch_a, scratch_b)
+    for s in range(ROWS_MMA_SUBTILES):
+        for i in range(4):
+            # the tree's levels 16 and 8 (classes w + 16 and w + 24, then w + 8), then to shared memory
+            tiles[warp, gid + 8 * (i >> 1), 8 * s + 2 * tig + (i & 1)] = (
+                (acc0[s, i] + acc2[s, i]) + (acc1[s, i] + acc3[s, i]))
+    cuda.syncthreads()
+    n_out = 16 * ROWS_MMA_TOKENS
+    flat = warp * WARP + cuda.threadIdx.x
+    offset = ROWS_MMA_WARPS // 2
+    while offset > 0:  # the tree's levels 4, 2 and 1: class c += class c + offset
+        for e in range(flat, offset * n_out, ROWS_MMA_WARPS * WARP):
+            c, r, t = e // n_out, (e // ROWS_MMA_TOKENS) % 16, e % ROWS_MMA_TOKENS
+            tiles[c, r, t] += tiles[c + offset, r, t]
+        cuda.syncthreads()
+        offset //= 2
+    N, T = raw.shape[0], x_words.shape[0]
+    for e in range(flat, n_out, ROWS_MMA_WARPS * WARP):
+        r, t = e // ROWS_MMA_TOKENS, e % ROWS_MMA_TOKENS
+        if row0 + r < N and t_first + t < T:
+            out[t_first + t, row0 + r] = tiles[0, r, t]
 
 
 @kernel("void(float32[:, ::1], float32[:, ::1], float32[:, ::1])",
@@ -342,15 +427,20 @@ def qmatmul(w: QWeights, act, out, batched: bool | None = None, mma: bool | None
     """out (T, N) = x @ W.T on the device, act the QActivations of x for w's activation kind.
 
     batched: use the tiled kernels (True) or the matrix-vector one (False, any T); None: by T.
-    mma: the tiled product of 32-value groups on the tensor cores (None: as MMA says)."""
+    mma: products of 32-value groups on the tensor cores (None: as MMA says): the tiled one, and
+    the matrix-vector one from ROWS_MMA_MIN_T tokens (the same results as without)."""
     T, K = act.shape
     if K != w.n_cols or out.shape != (T, w.n_rows):
         raise ValueError(f"shapes: W ({w.n_rows}, {w.n_cols}), x ({T}, {K}), out {out.shape}")
     xd, xs = act.scales(w.group)
     args = (w.raw, w.raw_h, w.fmt, w.group, int(w.has_bias), act.words, xd, xs, out)
-    if not _use_tiled(T, batched):
+    tensor_cores = (mma if mma is not None else MMA) and w.group == 32
+    if not _use_tiled(T, batched) and tensor_cores and T >= ROWS_MMA_MIN_T:
+        launch(qmatvec_mma_kernel, (_grid(w.n_rows, 16), _grid(T, ROWS_MMA_TOKENS)), (WARP, ROWS_MMA_WARPS),
+               *args)
+    elif not _use_tiled(T, batched):
         launch(qmatvec_kernel, (_grid(w.n_rows, MATVEC_ROWS), _grid(T, MATVEC_MAX_T)), (WARP, MATVEC_ROWS), *args)
-    elif (mma if mma is not None else MMA) and w.group == 32:
+    elif tensor_cores:
         launch(qmatmul_mma_kernel, (_grid(w.n_rows, 16 * MMA_WARPS), _grid(T, 8 * MMA_SUBTILES)), (WARP, MMA_WARPS),
                *args)
     else:

@@ -14,8 +14,9 @@
           no upload), their speed on CUDA (and the 1B's on the CPU) and device memory; on the
           1B, decode steps replayed each way (a CUDA graph, prepared launches, direct, none):
           the same logits from each, and each one's time a step
-  mma     prefill products on the tensor cores (MINILLM_CUDA_MMA) against the tiled kernels:
-          pp512 each way and whether the logits are the same (SmolLM2 and the 7B shape)
+  mma     quantized products on the tensor cores (MINILLM_CUDA_MMA) and off: pp512 and the
+          scheduler's S_TG at 32 sequences each way, and whether the logits are the same
+          (SmolLM2 and the 7B shape)
   batched the batching scheduler on CUDA (SmolLM2 and the 7B shape): aggregate prefill and
           decode (S_PP, S_TG) at 1, 8, 32 and 64 sequences, as `minillm bench --parallel`, and
           batch invariance: a request's tokens and logprobs alone and among 2, 7 and 16
@@ -240,13 +241,14 @@ def bench(model, n_prompt: int = 512, n_gen: int = 128) -> dict:
 BATCH_LEVELS = (1, 8, 32, 64)
 
 
-def compare_mma(model, n_prompt: int = 512, n_logits: int = 16) -> dict:
-    """Prefill with the quantized products on the tensor cores and on the tiled kernels: the
-    tokens/s of each (best of two) and whether a prompt's logits are the same (they should be:
-    the MMA's integer sums are exact and the float terms are added in the same order) for a
-    prompt of n_logits tokens; ok within 1e-3 of the largest logit."""
+def compare_mma(model, n_prompt: int = 512, n_logits: int = 16, n_seq: int = 32, seq_tokens: int = 32) -> dict:
+    """The quantized products on the tensor cores and off: prefill tokens/s (pp, best of two),
+    the scheduler's aggregate decode at n_seq sequences of seq_tokens prompt tokens and
+    seq_tokens generated (S_TG: its rows' products), and whether
+    a prompt of n_logits tokens gets the same logits (it should: the MMA's integer sums are
+    exact and the float terms are added in the same order); ok within 1e-3 of the largest logit."""
     from ..kernels.cuda import matmul
-    from .bench import _time_prefill
+    from .bench import _parallel_run, _time_prefill
 
     ids = np.random.default_rng(2).integers(0, model.n_vocab, size=n_logits)
     result, logits = {}, {}
@@ -257,6 +259,9 @@ def compare_mma(model, n_prompt: int = 512, n_logits: int = 16) -> dict:
             rng = np.random.default_rng(0)
             result[f"{name}_pp{n_prompt}_tokens_per_s"] = round(
                 n_prompt / min(_time_prefill(model, rng, n_prompt) for _ in range(2)), 1)
+            # (the prefill step compiles the rows' kernels: S_PP would count it, S_TG does not)
+            _, t_tg = _parallel_run(model, rng, n_seq, seq_tokens, seq_tokens)
+            result[f"{name}_s_tg{n_seq}_tokens_per_s"] = round(n_seq * seq_tokens / t_tg, 1)
             logits[name] = model.logits(ids)
     finally:
         matmul.MMA = saved
