@@ -26,3 +26,22 @@ def test_without_a_gpu_it_says_why_and_exits_1(tmp_path, capsys):
     assert report["ok"] is False and "simulator" in report["gpu"]["error"]
     assert "no GPU to check" in capsys.readouterr().err
     assert (gpu_check.DATA / "greedy_smollm2_dev.jsonl").exists()  # it reads the checkout's tests/data
+
+
+def test_a_failing_stage_is_reported_and_the_run_goes_on(tmp_path, capsys):
+    """A stage that raises (a kernel the GPU refuses, say) is written down with its error and
+    lowers the verdict; the next stage still runs and the report keeps both."""
+    report = gpu_check.Report(tmp_path / "gpu-check.json")
+    entry = {"ok": True}
+
+    def refused():
+        raise RuntimeError("CUDA_ERROR_ILLEGAL_INSTRUCTION")
+
+    gpu_check._stage(report, "smollm2", entry, "mma_cuda", refused)
+    gpu_check._stage(report, "smollm2", entry, "batched_cuda", lambda: {"ok": True, "levels": [1]})
+    saved = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert saved["ok"] is False and saved["smollm2"]["ok"] is False
+    assert saved["smollm2"]["mma_cuda"]["error"] == "RuntimeError: CUDA_ERROR_ILLEGAL_INSTRUCTION"
+    assert "refused" in saved["smollm2"]["mma_cuda"]["traceback_tail"]
+    assert saved["smollm2"]["batched_cuda"] == {"ok": True, "levels": [1]}
+    assert "smollm2.mma_cuda failed" in capsys.readouterr().err

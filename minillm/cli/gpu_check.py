@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -364,6 +365,23 @@ class Report:
         self.path.write_text(json.dumps(self.data, indent=2) + "\n")
 
 
+def _failure(where: str, exc: Exception) -> dict:
+    print(f"gpu_check: {where} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback_tail": traceback.format_exc()[-3000:]}
+
+
+def _stage(report: Report, key: str, entry: dict, name: str, run, *args) -> None:
+    """entry[name] = run(*args), entry["ok"] falling with the stage's "ok"; an exception is
+    written down as the stage's error (the rest of the run goes on: a GPU's minutes are few)."""
+    try:
+        entry[name] = run(*args)
+    except Exception as exc:  # noqa: BLE001 (any failure of a stage is a result to report)
+        entry[name] = _failure(f"{key}.{name}", exc)
+    if isinstance(entry[name], dict) and entry[name].get("ok") is False:
+        entry["ok"] = False
+    report.add(key, entry)
+
+
 def check_models(report: Report, deadline: float) -> None:
     for name, path in MODELS.items():
         if not path.exists():
@@ -372,20 +390,21 @@ def check_models(report: Report, deadline: float) -> None:
         if time.perf_counter() > deadline:
             report.add(name, {"skipped": "out of time"})
             continue
-        gpu_model, entry = load_measured(path, "cuda")
-        cpu_model = load(path, "cpu")
-        entry["golden"] = golden(name, gpu_model, cpu_model, deadline)
-        entry["ok"] = entry["golden"]["ok"]
-        report.add(name, entry)
+        try:
+            gpu_model, entry = load_measured(path, "cuda")
+            cpu_model = load(path, "cpu")
+        except Exception as exc:  # noqa: BLE001
+            report.add(name, _failure(f"{name} loading", exc))
+            continue
+        entry["ok"] = True
+        _stage(report, name, entry, "golden", golden, name, gpu_model, cpu_model, deadline)
         for device, model in (("cuda", gpu_model), ("cpu", cpu_model)):
             if time.perf_counter() < deadline:
-                entry[f"bench_{device}"] = bench(model)
-                report.add(name, entry)
-        if name == "smollm2" and time.perf_counter() < deadline:
-            entry["mma_cuda"] = compare_mma(gpu_model)
-            entry["batched_cuda"] = batched(gpu_model)
-            entry["ok"] = entry["ok"] and entry["batched_cuda"]["ok"] and entry["mma_cuda"]["ok"]
-            report.add(name, entry)
+                _stage(report, name, entry, f"bench_{device}", bench, model)
+        if name == "smollm2":
+            for stage, run in (("batched_cuda", batched), ("mma_cuda", compare_mma)):  # the newest kernels last
+                if time.perf_counter() < deadline:
+                    _stage(report, name, entry, stage, run, gpu_model)
         del gpu_model, cpu_model
 
 
@@ -400,23 +419,23 @@ def check_synthetic(report: Report, deadline: float, shapes=("1b", "7b")) -> Non
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             path = write_synthetic(Path(tmp) / f"{shape}.gguf", shape)
-            entry = {"write_s": round(time.perf_counter() - t0, 1), "file_bytes": path.stat().st_size}
-            model, facts = load_measured(path, "cuda")
+            entry = {"write_s": round(time.perf_counter() - t0, 1), "file_bytes": path.stat().st_size, "ok": True}
+            try:
+                model, facts = load_measured(path, "cuda")
+            except Exception as exc:  # noqa: BLE001
+                report.add(key, {**entry, **_failure(f"{key} loading", exc)})
+                continue
             entry.update(facts)
             if shape != "7b":
-                entry["replay_modes"] = compare_replay_modes(model)
-                entry["ok"] = entry["replay_modes"]["ok"]
-            entry["bench_cuda"] = bench(model, 512, 128 if shape != "7b" else 64)
-            report.add(key, entry)
-            if shape == "7b" and time.perf_counter() < deadline:
-                entry["mma_cuda"] = compare_mma(model)
-                entry["batched_cuda"] = batched(model)
-                entry["ok"] = entry["batched_cuda"]["ok"] and entry["mma_cuda"]["ok"]
-                report.add(key, entry)
+                _stage(report, key, entry, "replay_modes", compare_replay_modes, model)
+            _stage(report, key, entry, "bench_cuda", bench, model, 512, 128 if shape != "7b" else 64)
+            if shape == "7b":
+                for stage, run in (("batched_cuda", batched), ("mma_cuda", compare_mma)):
+                    if time.perf_counter() < deadline:
+                        _stage(report, key, entry, stage, run, model)
             del model
             if shape != "7b" and time.perf_counter() < deadline:
-                entry["bench_cpu"] = bench(load(path, "cpu"), 512, 64)
-                report.add(key, entry)
+                _stage(report, key, entry, "bench_cpu", bench, load(path, "cpu"), 512, 64)
 
 
 def main(argv=None) -> int:
