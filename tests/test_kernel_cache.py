@@ -69,11 +69,12 @@ def test_elf_symbols_are_the_defined_ones():
 
 def test_cached_kernels_are_keyed_to_every_source_compiled_code_comes_from(monkeypatch):
     """A kernel's cache entry records, beside its own file's hash, a digest of all the sources
-    compiled code is made of (kernels/cpu/cache_stamp.py): when any of them changes (simd.py
+    compiled code is made of (kernels/cache_stamp.py): when any of them changes (simd.py
     under matmul.py's kernels, say), the entry no longer matches and the kernel compiles again."""
     import numpy as np
 
-    from minillm.kernels.cpu import cache_stamp, layers
+    from minillm.kernels import cache_stamp
+    from minillm.kernels.cpu import layers
 
     x = np.ones((1, 32), np.float32)
     layers.quantize(x, 0)  # compiled or loaded, and in the cache either way
@@ -106,3 +107,46 @@ def test_arrays_the_kernels_allocate_start_on_a_cache_line():
 
     for n in (5, 1000, 70_000):
         assert not offsets(n).any()
+
+
+CUDA_STAMP_PROBE = """
+from minillm.kernels import cache_stamp
+from minillm.kernels.cuda import matmul, registry
+
+own_stamp, digest = matmul.qmatvec_kernel._cache._cache_file._source_stamp
+print(registry.CACHE, digest == cache_stamp.source_digest(cache_stamp.CUDA_SOURCES))
+"""
+
+
+def test_cuda_kernels_are_cached_and_keyed_to_every_cuda_source():
+    """With numba-cuda's real target (no simulator; no GPU needed to declare kernels) every
+    kernel is cached on disk, its entries stamped with the digest of the CUDA sources, as the
+    CPU's are with theirs."""
+    env = {key: value for key, value in os.environ.items() if key != "NUMBA_ENABLE_CUDASIM"}
+    proc = subprocess.run([sys.executable, "-c", CUDA_STAMP_PROBE], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "True"]
+
+
+def test_each_backend_recompiles_only_for_its_own_sources(tmp_path, monkeypatch):
+    """An edit under kernels/cuda changes the CUDA kernels' digest and leaves the CPU's alone
+    (a CPU recompile takes minutes); one under kernels/cpu changes both (the CUDA kernels take
+    constants from it)."""
+    from minillm.kernels import cache_stamp
+
+    kernels, package = tmp_path / "kernels", tmp_path / "minillm"
+    for path in (kernels / "cpu" / "ops.py", kernels / "cuda" / "matmul.py", package / "arch" / "llama.py"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("X = 1\n")
+    monkeypatch.setattr(cache_stamp, "_roots", lambda: (kernels, package))
+
+    def digests():
+        return cache_stamp.source_digest(cache_stamp.CPU_SOURCES), cache_stamp.source_digest(cache_stamp.CUDA_SOURCES)
+
+    cpu, gpu = digests()
+    (kernels / "cuda" / "matmul.py").write_text("X = 2\n")
+    assert digests()[0] == cpu and digests()[1] != gpu
+    cpu, gpu = digests()
+    (kernels / "cpu" / "ops.py").write_text("X = 2\n")
+    assert digests()[0] != cpu and digests()[1] != gpu

@@ -1,6 +1,6 @@
 """Numba CPU kernels. Cached kernels load without parsing their bitcode (lazy_cache.py), and
-only if every source compiled code is made of is as it was (cache_stamp.py)."""
-from .cache_stamp import install as _install_cache_stamp
+only if every source compiled code is made of is as it was (kernels/cache_stamp.py)."""
+from ..cache_stamp import install_cpu as _install_cache_stamp
 from .lazy_cache import install as _install_lazy_cache
 
 _install_cache_stamp()

@@ -5,6 +5,10 @@ records the Python function and its signatures in KERNELS, so that `ptx_check` c
 one to real PTX (and the tests run it) without a list to keep up by hand. The kernels
 themselves stay lazily compiled: a launch compiles for the argument types it is given.
 
+Kernels are cached on disk (numba-cuda's cache, per compute capability, in __pycache__ or the
+user's cache folder), keyed to every source they are compiled from (kernels/cache_stamp.py):
+a process after the first loads them instead of compiling them. Not under the simulator.
+
 Device helpers are declared with `@device` (a plain `cuda.jit(device=True)`); they are compiled
 as part of every kernel that calls them.
 """
@@ -14,6 +18,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from numba import cuda
+from numba.core import config
+
+from ..cache_stamp import install_cuda
+
+CACHE = not config.ENABLE_CUDASIM and install_cuda()  # (before any kernel is declared)
 
 
 @dataclass(frozen=True)
@@ -36,7 +45,7 @@ def kernel(*signatures: str):
         if name in KERNELS:
             raise ValueError(f"two CUDA kernels are named {name}")
         KERNELS[name] = KernelSpec(name, pyfunc, tuple(signatures))
-        return cuda.jit(pyfunc)
+        return cuda.jit(pyfunc, cache=CACHE)
 
     return register
 

@@ -26,7 +26,8 @@ from ..kernels.cuda import rmsnorm, upload_blocks, upload_float_matrix
 from ..kernels.cuda.attention import MAX_HEAD_DIM
 from ..kernels.cuda.launch import REPLAY_MODES, Replay, new_stream, recording
 from ..kernels.cuda.layers import FLOAT_KIND, DeviceKV, DeviceMatrix, DevicePaging
-from ..kernels.cuda.matmul import MATVEC_MAX_T
+from ..kernels.cuda.device import SIMULATOR
+from ..kernels.cuda.matmul import MATVEC_MAX_T, qmatvec_kernel
 from ..kernels.cuda.norm_quant import MAX_K
 from ..kv_cache import F16_CACHE, KVCache
 from .base import Backend
@@ -417,13 +418,16 @@ class CudaBackend(Backend):
         return self.arch.finish_logits(logits.copy_to_host())
 
     def warm_up(self, on_compile=None) -> None:
-        """Compile the kernels (numba compiles each on its first launch): a one-token step
-        (matrix-vector kernels) and a short batch (tiled kernels). A toolchain that cannot
-        compile them (a numba-cuda that does not work with the installed numpy, a missing NVVM)
-        is one MinillmError that names the versions."""
+        """Compile the kernels (numba compiles each on its first launch, or loads it from its
+        cache): a one-token step (matrix-vector kernels) and a short batch (tiled kernels),
+        inside on_compile() when given and they are not cached. A toolchain that cannot compile
+        them (a numba-cuda that does not work with the installed numpy, a missing NVVM) is one
+        MinillmError that names the versions."""
+        cached = on_compile is None or self.kernels_cached()
         try:
-            for n in (1, MATVEC_MAX_T + 1):
-                self.forward(np.zeros(n, np.int64), self.new_cache(n), n - 1)
+            with contextlib.nullcontext() if cached else on_compile():
+                for n in (1, MATVEC_MAX_T + 1):
+                    self.forward(np.zeros(n, np.int64), self.new_cache(n), n - 1)
         except MinillmError:
             raise
         except Exception as exc:  # noqa: BLE001 (whatever the CUDA toolchain raises)
@@ -432,3 +436,14 @@ class CudaBackend(Backend):
             raise MinillmError(f"the CUDA kernels do not compile with numba-cuda {version('numba-cuda')}, "
                                f"numba {version('numba')} and numpy {np.__version__} ({type(exc).__name__}: "
                                f"{exc})") from exc
+
+    @staticmethod
+    def kernels_cached() -> bool:
+        """Whether numba-cuda's on-disk cache holds the decode product for the current sources
+        (read as numba-cuda reads its index; the simulator compiles nothing)."""
+        if SIMULATOR:
+            return True
+        try:
+            return bool(qmatvec_kernel._cache._cache_file._load_index())
+        except (AttributeError, OSError):  # another numba-cuda: say we compile
+            return False

@@ -1,8 +1,10 @@
-"""What a first run shows while Numba compiles the kernels (a few minutes, once per machine).
+"""What a first run shows while Numba compiles the kernels (once per machine: a few minutes for
+the CPU's, less for a GPU's).
 
 On a terminal: a spinner line (kept short for 80 columns) with the number of functions compiled
-so far and the one being compiled now, from Numba's "numba:compile" events. Elsewhere (a log, a
-pipe): a line when it starts and one when it ends.
+so far and the one being compiled now, from Numba's "numba:compile" events (numba-cuda sends
+none for its kernels: there the line shows no count). Elsewhere (a log, a pipe): a line when it
+starts and one when it ends.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Callable
 
 from numba.core import event
 
-NOTICE = "Compiling the kernels for this CPU (first run only, a few minutes)"
+NOTICE = "Compiling the kernels for this machine (first run only, up to a few minutes)"
 
 
 class _CompileCounter(event.Listener):
@@ -51,4 +53,5 @@ def compile_progress(log: Callable[[str], None]):
         counter = _CompileCounter(status.update if status is not None else lambda text: None)
         with event.install_listener("numba:compile", counter):
             yield
-    log(f"kernels compiled and cached ({counter.done} functions, {time.perf_counter() - start:.0f} s)")
+    counted = f"{counter.done} functions, " if counter.done else ""
+    log(f"kernels compiled and cached ({counted}{time.perf_counter() - start:.0f} s)")

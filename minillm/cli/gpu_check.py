@@ -122,14 +122,20 @@ def load(path: Path, device: str):
 
 
 def load_measured(path: Path, device: str) -> tuple:
-    """(model, its facts): load and warm-up seconds and, on CUDA, the device memory it took
-    against the file's tensor bytes (the weights and the warm-up's small caches)."""
+    """(model, its facts): load and warm-up seconds and, on CUDA, whether the kernels were in
+    numba-cuda's on-disk cache and the device memory it took against the file's tensor bytes
+    (the weights and the warm-up's small caches)."""
     from ..gguf_file import GGUFFile
 
     free_before = _free_device_bytes() if device == "cuda" else 0
+    facts = {}
+    if device == "cuda":  # on-disk kernel cache: loaded from it (fast) or compiled (first run)
+        from ..backends.cuda import CudaBackend
+
+        facts["kernels_cached_before_load"] = CudaBackend.kernels_cached()
     t0 = time.perf_counter()
     model = load(path, device)
-    facts = {f"{device}_load_and_warm_up_s": round(time.perf_counter() - t0, 1)}
+    facts[f"{device}_load_and_warm_up_s"] = round(time.perf_counter() - t0, 1)
     if device == "cuda":
         with GGUFFile(path) as g:
             tensor_bytes = sum(t.n_bytes for t in g.tensors.values())
