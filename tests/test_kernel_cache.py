@@ -129,6 +129,45 @@ def test_cuda_kernels_are_cached_and_keyed_to_every_cuda_source():
     assert proc.stdout.split() == ["True", "True"]
 
 
+CUDA_PICKLE_PROBE = """
+import pickle
+
+import numba.cuda.codegen as codegen
+import numba.cuda.dispatcher as dispatcher
+from numba.core import sigutils
+from numba.cuda.serialize import dumps
+
+from minillm.kernels.cuda import KERNELS, ptx_check
+
+# no GPU: the compute capability is given, not asked of a device
+codegen.CUDACodeLibrary._ensure_cc = lambda self, cc: cc or (9, 0)
+n = 0
+with ptx_check._assume_device((9, 0)):
+    for spec in KERNELS.values():
+        for sig in spec.signatures:
+            kernel = dispatcher._Kernel(spec.pyfunc, sigutils.normalize_signature(sig)[0])
+            rebuilt = dispatcher._Kernel._rebuild(**pickle.loads(dumps(kernel._reduce_states())))
+            assert rebuilt.entry_name == kernel.entry_name
+            n += 1
+print(n)
+"""
+
+
+def test_every_cuda_kernel_can_be_saved_to_the_cache():
+    """numba-cuda saves a kernel to its cache right after compiling it, unguarded: a kernel it
+    cannot serialize (one that refers to a global device array, or links other files) would
+    fail its first launch on a GPU. Each kernel's compiled state goes through the cache's
+    serialization and back here (numba-cuda's internals, as its cache calls them; the cubin
+    part needs a GPU)."""
+    from minillm.kernels.cuda import KERNELS
+
+    env = {key: value for key, value in os.environ.items() if key != "NUMBA_ENABLE_CUDASIM"}
+    proc = subprocess.run([sys.executable, "-c", CUDA_PICKLE_PROBE], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.split()[-1]) == sum(len(spec.signatures) for spec in KERNELS.values())
+
+
 def test_each_backend_recompiles_only_for_its_own_sources(tmp_path, monkeypatch):
     """An edit under kernels/cuda changes the CUDA kernels' digest and leaves the CPU's alone
     (a CPU recompile takes minutes); one under kernels/cpu changes both (the CUDA kernels take
