@@ -251,9 +251,9 @@ BATCH_LEVELS = (1, 8, 32, 64)
 def compare_mma(model, n_prompt: int = 512, n_logits: int = 16, n_seq: int = 32, seq_tokens: int = 32) -> dict:
     """The quantized products on the tensor cores and off: prefill tokens/s (pp, best of two),
     the scheduler's aggregate decode at n_seq sequences of seq_tokens prompt tokens and
-    seq_tokens generated (S_TG: its rows' products), and whether
-    a prompt of n_logits tokens gets the same logits (it should: the MMA's integer sums are
-    exact and the float terms are added in the same order); ok within 1e-3 of the largest logit."""
+    seq_tokens generated (S_TG: its rows' products), and whether a prompt of n_logits tokens
+    gets the same logits (it should: the MMA's integer sums are exact and the float terms are
+    added in the same order); ok within 1e-3 of the largest logit."""
     from ..kernels.cuda import matmul
     from .bench import _parallel_run, _time_prefill
 
