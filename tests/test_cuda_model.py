@@ -490,22 +490,30 @@ def vocab_model(tmp_path_factory):
 
 
 def test_gpu_check_compares_the_tensor_core_products_with_the_others(vocab_model, monkeypatch):
-    """make gpu-check's MMA stage runs, prefill and the scheduler's rows each way, and finds the
-    same logits both ways (test_cuda_kernels checks each format's products bit for bit)."""
-    from minillm.cli import gpu_check
+    """make gpu-check's MMA stage runs prefill and the scheduler's rows each way, and finds the
+    same logits both ways (test_cuda_kernels checks each format's products bit for bit). The
+    scheduler's run is timed by bench's _parallel_run, which test_cli runs; here it reports
+    which products it had (a scheduler run costs ~16 s under the simulator)."""
+    from minillm.cli import bench, gpu_check
     from minillm.kernels.cuda import matmul
 
-    launched = []
+    launched, parallel_runs = [], []
 
     def launch(kernel, *args):
         launched.append(kernel)
         real_launch(kernel, *args)
 
+    def parallel_run(model, rng, n_seq, n_prompt, n_gen):
+        parallel_runs.append((matmul.MMA, n_seq, n_prompt, n_gen))
+        return 1.0, 0.5
+
     real_launch = matmul.launch
     monkeypatch.setattr(matmul, "launch", launch)
-    result = gpu_check.compare_mma(vocab_model, n_prompt=2, n_logits=3, n_seq=1, seq_tokens=1)
+    monkeypatch.setattr(bench, "_parallel_run", parallel_run)
+    result = gpu_check.compare_mma(vocab_model, n_prompt=2, n_logits=3, n_seq=4, seq_tokens=3)
     assert result["ok"] and result["max_abs_diff"] == 0.0 and result["mma_pp2_tokens_per_s"] > 0
-    assert result["mma_s_tg1_tokens_per_s"] > 0 and result["tiled_s_tg1_tokens_per_s"] > 0
+    assert result["mma_s_tg4_tokens_per_s"] == result["tiled_s_tg4_tokens_per_s"] == 4 * 3 / 0.5
+    assert parallel_runs == [(False, 4, 3, 3), (True, 4, 3, 3)]
     assert matmul.qmatmul_mma_kernel in launched and matmul.qmatmul_tiled_kernel in launched
     assert matmul.MMA is False  # put back
 

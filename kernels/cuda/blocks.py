@@ -5,6 +5,8 @@ A quantized matrix is uploaded as the file stores it, one row of blocks a row:
     raw    uint8   (N, row_bytes)     the blocks
     raw_h  float16 (N, row_bytes / 2) the same memory as float16 (every block size is even and
                                       every f16 field of a block sits at an even offset)
+    raw_w  uint16  (N, row_bytes / 2) the same memory as 16-bit words: 4 code bytes at an even
+                                      offset are two loads (codes4)
 so the device holds exactly the file's bytes, and a token's products read each weight's bits
 once. The values are those of minillm.kernels.cpu.unpack (the uniform layout of
 minillm.formats): code(e) * scale(g) + bias(g) is ggml's dequantized weight e of group g, the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .device import pack4
 from .registry import device
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = range(10)
@@ -95,6 +98,45 @@ def code(raw, n, fmt, e):
     if fmt <= Q8_0:
         return _code_32(raw, n, fmt, e)
     return _code_k(raw, n, fmt, e)
+
+
+@device
+def _word(raw_w, n, offset):
+    """The 4 bytes at even byte `offset` of row n, as an unsigned 32-bit value (two 16-bit loads)."""
+    i = offset // 2
+    return np.int64(raw_w[n, i]) | (np.int64(raw_w[n, i + 1]) << 16)
+
+
+@device
+def _signed(word):
+    """An unsigned 32-bit value as the int32 of the same bits."""
+    return np.int32(word - ((word >> 31) << 32))
+
+
+@device
+def codes4(raw, raw_w, n, fmt, k):
+    """Codes k..k+3 of row n (k a multiple of 4) as one int32 word of signed bytes, the lowest k
+    in the lowest byte. Q4_0, Q4_1, Q4_K and Q8_0 keep 4 consecutive codes in 4 consecutive
+    bytes at an even offset: one 32-bit read, the nibbles taken bytewise (Q4_0's minus 8 as a
+    4-bit two's complement: flip bit 3, then extend it to the byte); the other formats take
+    code() 4 times."""
+    if fmt == Q4_0 or fmt == Q4_1 or fmt == Q4_K:
+        if fmt == Q4_K:  # as _code_k: 64-value chunks of 32 bytes, low nibbles first
+            b, e = k // 256, k % 256
+            offset, shift = b * 144 + 16 + (e // 64) * 32 + e % 32, 4 * ((e % 64) // 32)
+        else:  # as _code_32: 16 bytes, weights l and l + 16 in the low and high nibbles of byte l
+            b, l = k // 32, k % 32
+            offset = (b * 18 + 2 if fmt == Q4_0 else b * 20 + 4) + l % 16
+            shift = 4 * (l // 16)
+        nibbles = (_word(raw_w, n, offset) >> shift) & 0x0F0F0F0F
+        if fmt != Q4_0:
+            return np.int32(nibbles)
+        flipped = nibbles ^ 0x08080808  # x - 8 in 4 bits; bit 3 its sign
+        return _signed(flipped | (((flipped & 0x08080808) >> 3) * 0xF0))
+    if fmt == Q8_0:
+        return _signed(_word(raw_w, n, (k // 32) * 34 + 2 + k % 32))
+    return np.int32(pack4(code(raw, n, fmt, k), code(raw, n, fmt, k + 1), code(raw, n, fmt, k + 2),
+                          code(raw, n, fmt, k + 3)))
 
 
 @device

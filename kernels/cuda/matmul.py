@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from .blocks import FORMAT_IDS, code, group_scale
-from .device import WARP, f16_round, pack4, pow2_threads, warp_sum
+from .blocks import FORMAT_IDS, codes4, group_scale
+from .device import WARP, f16_round, pow2_threads, warp_sum
 from .launch import launch
 from .ptx import dp4a, mma_s8
 from .registry import device, kernel
@@ -53,17 +53,16 @@ ROWS_MMA_MIN_T = 8     # the scheduler's rows take it from this many tokens (one
 # for the scheduler's rows): "1" turns them on (off until measured on a GPU: make gpu-check compares)
 MMA = os.environ.get("MINILLM_CUDA_MMA") == "1"
 
-_Q_ARGS = ("uint8[:, ::1], float16[:, ::1], int64, int64, int64, "
+_Q_ARGS = ("uint8[:, ::1], float16[:, ::1], uint16[:, ::1], int64, int64, int64, "
            "int32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1]")
 
 
 @device
-def _codes4(raw, n, fmt, k):
-    """Codes k..k+3 of weight row n as one int32 word (the lowest k in the lowest byte); 0 past the rows."""
+def _codes4(raw, raw_w, n, fmt, k):
+    """Codes k..k+3 of weight row n as one int32 word (blocks.codes4); 0 past the rows."""
     if n >= raw.shape[0]:
         return np.int32(0)
-    return np.int32(pack4(code(raw, n, fmt, k), code(raw, n, fmt, k + 1), code(raw, n, fmt, k + 2),
-                          code(raw, n, fmt, k + 3)))
+    return codes4(raw, raw_w, n, fmt, k)
 
 
 @device
@@ -87,7 +86,7 @@ def _add_group(acc, scale, bias, has_bias, xd, xs, t, g, isum):
 
 
 @kernel(f"void({_Q_ARGS})")
-def qmatvec_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
+def qmatvec_kernel(raw, raw_h, raw_w, fmt, group, has_bias, x_words, xd, xs, out):
     """out (T, N), tokens MATVEC_MAX_T at a time: block (WARP, MATVEC_ROWS), grid
     (ceil(N / MATVEC_ROWS), ceil(T / MATVEC_MAX_T)). A token's sums do not depend on the others.
     Each word of 4 codes is decoded once for the block's tokens and summed with dp4a; the loops
@@ -107,7 +106,7 @@ def qmatvec_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
             for t in range(MATVEC_MAX_T):
                 isum[t] = np.int32(0)
             for w in range(words):
-                word = _codes4(raw, n, fmt, g * group + 4 * w)
+                word = _codes4(raw, raw_w, n, fmt, g * group + 4 * w)
                 for t in range(MATVEC_MAX_T):
                     if t < n_t:
                         isum[t] = dp4a(word, x_words[t0 + t, g * words + w], isum[t])
@@ -123,7 +122,7 @@ def qmatvec_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
 
 
 @kernel(f"void({_Q_ARGS})")
-def qmatmul_tiled_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
+def qmatmul_tiled_kernel(raw, raw_h, raw_w, fmt, group, has_bias, x_words, xd, xs, out):
     """out (T, N); block (TILE_N, TILE_T), grid (ceil(N / TILE_N), ceil(T / TILE_T))."""
     w_sh = cuda.shared.array((TILE_N, CHUNK_WORDS_PAD), np.int32)
     x_sh = cuda.shared.array((TILE_T, CHUNK_WORDS_PAD), np.int32)
@@ -143,11 +142,9 @@ def qmatmul_tiled_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out)
         for e in range(flat, TILE_N * CHUNK_WORDS, TILE_N * TILE_T):
             row = e // CHUNK_WORDS
             col = e % CHUNK_WORDS
-            word = 0
-            if n0 + row < N and c0 + col < n_words:
-                k = (c0 + col) * 4
-                word = pack4(code(raw, n0 + row, fmt, k), code(raw, n0 + row, fmt, k + 1),
-                             code(raw, n0 + row, fmt, k + 2), code(raw, n0 + row, fmt, k + 3))
+            word = np.int32(0)
+            if c0 + col < n_words:
+                word = _codes4(raw, raw_w, n0 + row, fmt, (c0 + col) * 4)
             w_sh[row, col] = word
         for e in range(flat, TILE_T * CHUNK_WORDS, TILE_N * TILE_T):
             row = e // CHUNK_WORDS
@@ -170,7 +167,7 @@ def qmatmul_tiled_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out)
 
 
 @device
-def _mma_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row, g, live, t_first, n_tiles, acc, scratch_a,
+def _mma_group(raw, raw_h, raw_w, fmt, has_bias, x_words, xd, xs, row, g, live, t_first, n_tiles, acc, scratch_a,
                scratch_b):
     """Group g's terms for weight rows row and row + 8 (this lane's gid) and n_tiles tiles of 8
     tokens from t_first, added to acc (n_tiles, 4) if live: the codes decoded once, one m16n8k32
@@ -180,8 +177,8 @@ def _mma_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row, g, live, t_first
     tig = cuda.threadIdx.x & 3
     T = x_words.shape[0]
     k = g * 32 + 4 * tig
-    a0, a1 = _codes4(raw, row, fmt, k), _codes4(raw, row + 8, fmt, k)
-    a2, a3 = _codes4(raw, row, fmt, k + 16), _codes4(raw, row + 8, fmt, k + 16)
+    a0, a1 = _codes4(raw, raw_w, row, fmt, k), _codes4(raw, raw_w, row + 8, fmt, k)
+    a2, a3 = _codes4(raw, raw_w, row, fmt, k + 16), _codes4(raw, raw_w, row + 8, fmt, k + 16)
     scale_lo, bias_lo = _row_group(raw, raw_h, fmt, row, g)
     scale_hi, bias_hi = _row_group(raw, raw_h, fmt, row + 8, g)
     for s in range(n_tiles):
@@ -202,7 +199,7 @@ def _mma_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row, g, live, t_first
 
 
 @kernel(f"void({_Q_ARGS})")
-def qmatmul_mma_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
+def qmatmul_mma_kernel(raw, raw_h, raw_w, fmt, group, has_bias, x_words, xd, xs, out):
     """out (T, N) for formats of 32-value groups, on the tensor cores: each warp 16 weight rows
     x MMA_SUBTILES tiles of 8 tokens (_mma_group), the group's float terms added in order of g
     as qmatmul_tiled_kernel adds them (so the same results).
@@ -218,7 +215,7 @@ def qmatmul_mma_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
         for i in range(4):
             acc[s, i] = np.float32(0.0)
     for g in range(x_words.shape[1] // 8):
-        _mma_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row, g, True, t_first, MMA_SUBTILES, acc,
+        _mma_group(raw, raw_h, raw_w, fmt, has_bias, x_words, xd, xs, row, g, True, t_first, MMA_SUBTILES, acc,
                    scratch_a, scratch_b)
     N, T = raw.shape[0], x_words.shape[0]
     for s in range(MMA_SUBTILES):
@@ -230,15 +227,18 @@ def qmatmul_mma_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
 
 
 @device
-def _class_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row, g, t_first, acc, scratch_a, scratch_b):
-    """_mma_group for group g of a class, or (past the last group) the same instructions adding nothing."""
+def _class_group(weights, activations, row, g, t_first, acc, scratch_a, scratch_b):
+    """_mma_group for group g of a class, or (past the last group) the same instructions adding
+    nothing; weights (raw, raw_h, raw_w, fmt, has_bias), activations (x_words, xd, xs)."""
+    raw, raw_h, raw_w, fmt, has_bias = weights
+    x_words, xd, xs = activations
     n_groups = x_words.shape[1] // 8
-    _mma_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row, min(g, n_groups - 1), g < n_groups, t_first,
+    _mma_group(raw, raw_h, raw_w, fmt, has_bias, x_words, xd, xs, row, min(g, n_groups - 1), g < n_groups, t_first,
                ROWS_MMA_SUBTILES, acc, scratch_a, scratch_b)
 
 
 @kernel(f"void({_Q_ARGS})")
-def qmatvec_mma_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
+def qmatvec_mma_kernel(raw, raw_h, raw_w, fmt, group, has_bias, x_words, xd, xs, out):
     """out (T, N) for formats of 32-value groups on the tensor cores, each output the same
     float32 as qmatvec_kernel's (so a row's result still does not depend on the other rows).
     qmatvec's lane c sums the groups g = c (mod 32) in order, then warp_sum adds the 32 lanes'
@@ -266,15 +266,14 @@ def qmatvec_mma_kernel(raw, raw_h, fmt, group, has_bias, x_words, xd, xs, out):
     for s in range(ROWS_MMA_SUBTILES):
         for i in range(4):
             acc0[s, i] = acc1[s, i] = acc2[s, i] = acc3[s, i] = np.float32(0.0)
+    weights = (raw, raw_h, raw_w, fmt, has_bias)
+    activations = (x_words, xd, xs)
     for r in range((n_groups + WARP - 1) // WARP):  # as many rounds for every warp
         g = warp + WARP * r
-        _class_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row0 + gid, g, t_first, acc0, scratch_a, scratch_b)
-        g += ROWS_MMA_WARPS
-        _class_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row0 + gid, g, t_first, acc1, scratch_a, scratch_b)
-        g += ROWS_MMA_WARPS
-        _class_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row0 + gid, g, t_first, acc2, scratch_a, scratch_b)
-        g += ROWS_MMA_WARPS
-        _class_group(raw, raw_h, fmt, has_bias, x_words, xd, xs, row0 + gid, g, t_first, acc3, scratch_a, scratch_b)
+        _class_group(weights, activations, row0 + gid, g, t_first, acc0, scratch_a, scratch_b)
+        _class_group(weights, activations, row0 + gid, g + ROWS_MMA_WARPS, t_first, acc1, scratch_a, scratch_b)
+        _class_group(weights, activations, row0 + gid, g + 2 * ROWS_MMA_WARPS, t_first, acc2, scratch_a, scratch_b)
+        _class_group(weights, activations, row0 + gid, g + 3 * ROWS_MMA_WARPS, t_first, acc3, scratch_a, scratch_b)
     for s in range(ROWS_MMA_SUBTILES):
         for i in range(4):
             # the tree's levels 16 and 8 (classes w + 16 and w + 24, then w + 8), then to shared memory
@@ -379,6 +378,7 @@ class QWeights:
 
     raw: object     # uint8 (N, row_bytes)
     raw_h: object   # float16 (N, row_bytes / 2): the same memory
+    raw_w: object   # uint16 (N, row_bytes / 2): the same memory
     fmt: int        # blocks.FORMAT_IDS
     group: int      # codes sharing a scale (16 or 32)
     has_bias: bool
@@ -403,8 +403,8 @@ def upload_blocks(fmt, raw: np.ndarray, n_cols: int) -> QWeights:
     if raw.shape[1] != n_cols // fmt.block_size * fmt.type_size or n_cols % fmt.block_size:
         raise ValueError(f"{fmt.name}: rows of {raw.shape[1]} bytes do not hold {n_cols} values")
     device_raw = cuda.to_device(np.ascontiguousarray(raw, np.uint8))
-    return QWeights(device_raw, device_raw.view(np.float16), FORMAT_IDS[fmt.name], fmt.group, fmt.has_bias,
-                    raw.shape[0], n_cols)
+    return QWeights(device_raw, device_raw.view(np.float16), device_raw.view(np.uint16), FORMAT_IDS[fmt.name],
+                    fmt.group, fmt.has_bias, raw.shape[0], n_cols)
 
 
 def upload_float_matrix(weight: np.ndarray, fmt_name: str) -> FWeights:
@@ -433,7 +433,7 @@ def qmatmul(w: QWeights, act, out, batched: bool | None = None, mma: bool | None
     if K != w.n_cols or out.shape != (T, w.n_rows):
         raise ValueError(f"shapes: W ({w.n_rows}, {w.n_cols}), x ({T}, {K}), out {out.shape}")
     xd, xs = act.scales(w.group)
-    args = (w.raw, w.raw_h, w.fmt, w.group, int(w.has_bias), act.words, xd, xs, out)
+    args = (w.raw, w.raw_h, w.raw_w, w.fmt, w.group, int(w.has_bias), act.words, xd, xs, out)
     tensor_cores = (mma if mma is not None else MMA) and w.group == 32
     if not _use_tiled(T, batched) and tensor_cores and T >= ROWS_MMA_MIN_T:
         launch(qmatvec_mma_kernel, (_grid(w.n_rows, 16), _grid(T, ROWS_MMA_TOKENS)), (WARP, ROWS_MMA_WARPS),
