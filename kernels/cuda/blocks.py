@@ -116,10 +116,10 @@ def _signed(word):
 @device
 def codes4(raw, raw_w, n, fmt, k):
     """Codes k..k+3 of row n (k a multiple of 4) as one int32 word of signed bytes, the lowest k
-    in the lowest byte. Q4_0, Q4_1, Q4_K and Q8_0 keep 4 consecutive codes in 4 consecutive
-    bytes at an even offset: one 32-bit read, the nibbles taken bytewise (Q4_0's minus 8 as a
-    4-bit two's complement: flip bit 3, then extend it to the byte); the other formats take
-    code() 4 times."""
+    in the lowest byte. Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 keep 4 consecutive codes in 4
+    consecutive bytes at an even offset (Q6_K: two such runs, low and high bits): a 32-bit read
+    each, the bits taken bytewise (an offset code minus 8 or 32 as a two's complement of 4 or 6
+    bits: flip the top bit, then extend it over the byte); the other formats take code() 4 times."""
     if fmt == Q4_0 or fmt == Q4_1 or fmt == Q4_K:
         if fmt == Q4_K:  # as _code_k: 64-value chunks of 32 bytes, low nibbles first
             b, e = k // 256, k % 256
@@ -135,6 +135,13 @@ def codes4(raw, raw_w, n, fmt, k):
         return _signed(flipped | (((flipped & 0x08080808) >> 3) * 0xF0))
     if fmt == Q8_0:
         return _signed(_word(raw_w, n, (k // 32) * 34 + 2 + k % 32))
+    if fmt == Q6_K:  # as _code_k: 4 low bits and 2 high bits, minus 32 as a 6-bit two's complement
+        o, e = (k // 256) * 210, k % 256
+        h, quarter, l = e // 128, (e % 128) // 32, e % 32
+        low = (_word(raw_w, n, o + h * 64 + (quarter % 2) * 32 + l) >> (4 * (quarter // 2))) & 0x0F0F0F0F
+        high = (_word(raw_w, n, o + 128 + h * 32 + l) >> (2 * quarter)) & 0x03030303
+        flipped = (low | (high << 4)) ^ 0x20202020  # x - 32 in 6 bits; bit 5 its sign
+        return _signed(flipped | (((flipped & 0x20202020) >> 5) * 0xC0))
     return np.int32(pack4(code(raw, n, fmt, k), code(raw, n, fmt, k + 1), code(raw, n, fmt, k + 2),
                           code(raw, n, fmt, k + 3)))
 
