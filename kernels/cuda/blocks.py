@@ -116,10 +116,11 @@ def _signed(word):
 @device
 def codes4(raw, raw_w, n, fmt, k):
     """Codes k..k+3 of row n (k a multiple of 4) as one int32 word of signed bytes, the lowest k
-    in the lowest byte. Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 keep 4 consecutive codes in 4
-    consecutive bytes at an even offset (Q6_K: two such runs, low and high bits): a 32-bit read
-    each, the bits taken bytewise (an offset code minus 8 or 32 as a two's complement of 4 or 6
-    bits: flip the top bit, then extend it over the byte); the other formats take code() 4 times."""
+    in the lowest byte. Every format but Q2_K and Q3_K keeps 4 consecutive codes' bits in 4
+    consecutive bytes at an even offset (or two such runs: low and high bits; Q5_0 and Q5_1
+    their fifth bits in one 32-bit word): a 32-bit read each, the bits taken bytewise (an
+    offset code minus 8, 16 or 32 as a two's complement of 4, 5 or 6 bits: flip the top bit,
+    then extend it over the byte). Q2_K and Q3_K take code() 4 times."""
     if fmt == Q4_0 or fmt == Q4_1 or fmt == Q4_K:
         if fmt == Q4_K:  # as _code_k: 64-value chunks of 32 bytes, low nibbles first
             b, e = k // 256, k % 256
@@ -135,6 +136,22 @@ def codes4(raw, raw_w, n, fmt, k):
         return _signed(flipped | (((flipped & 0x08080808) >> 3) * 0xF0))
     if fmt == Q8_0:
         return _signed(_word(raw_w, n, (k // 32) * 34 + 2 + k % 32))
+    if fmt == Q5_0 or fmt == Q5_1:  # as _code_32: the fifth bits l..l+3 of a 32-bit word, spread to bit 4 of each byte
+        b, l = k // 32, k % 32
+        o = b * 22 if fmt == Q5_0 else b * 24 + 2
+        low = (_word(raw_w, n, o + 6 + l % 16) >> (4 * (l // 16))) & 0x0F0F0F0F
+        fifth = (_word(raw_w, n, o + 2) >> l) & 15
+        codes = low | (((fifth * 0x00204081) & 0x01010101) << 4)  # bit i to bit 8 i
+        if fmt == Q5_1:
+            return np.int32(codes)
+        flipped = codes ^ 0x10101010  # x - 16 in 5 bits; bit 4 its sign
+        return _signed(flipped | (((flipped & 0x10101010) >> 4) * 0xE0))
+    if fmt == Q5_K:  # as _code_k: the low nibbles as Q4_K's, a fifth bit a byte from 32 bytes at 16
+        o, e = (k // 256) * 176, k % 256
+        c, w = e // 64, e % 64
+        low = (_word(raw_w, n, o + 48 + c * 32 + w % 32) >> (4 * (w // 32))) & 0x0F0F0F0F
+        fifth = (_word(raw_w, n, o + 16 + w % 32) >> (2 * c + w // 32)) & 0x01010101
+        return np.int32(low | (fifth << 4))
     if fmt == Q6_K:  # as _code_k: 4 low bits and 2 high bits, minus 32 as a 6-bit two's complement
         o, e = (k // 256) * 210, k % 256
         h, quarter, l = e // 128, (e % 128) // 32, e % 32
