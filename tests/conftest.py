@@ -85,6 +85,7 @@ def pytest_sessionfinish(session):
         session.config.workeroutput["report"] = REPORT
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a plain pytest (a bare GPU machine's) has none
 def pytest_testnodedown(node, error):
     REPORT.extend(getattr(node, "workeroutput", {}).get("report", []))
 
