@@ -45,3 +45,20 @@ def test_a_failing_stage_is_reported_and_the_run_goes_on(tmp_path, capsys):
     assert "refused" in saved["smollm2"]["mma_cuda"]["traceback_tail"]
     assert saved["smollm2"]["batched_cuda"] == {"ok": True, "levels": [1]}
     assert "smollm2.mma_cuda failed" in capsys.readouterr().err
+
+
+def test_tests_cut_by_the_time_limit_still_say_how_far_they_got(monkeypatch):
+    """The tests stage on a GPU may run past its limit (kernels compile on first use): the
+    report keeps how many passed and failed before the cut, and the output's tail."""
+    import subprocess
+
+    progress = "....F.s...                                     [ 10%]\n..E..\n"
+
+    def run(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], kwargs["timeout"], output=progress.encode())
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", run)
+    result = gpu_check.run_tests(timeout=5)
+    assert result["ok"] is False and result["error"] == "timed out after 5 s"
+    assert (result["passed_so_far"], result["failed_so_far"]) == (12, 2)
+    assert result["output_tail"] == progress

@@ -32,6 +32,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -93,8 +94,10 @@ def run_tests(timeout: float) -> dict:
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
+        except subprocess.TimeoutExpired as exc:  # what ran so far, from pytest's progress lines
+            output = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            return {"ok": False, "error": f"timed out after {timeout:.0f} s", **_progress_counts(output),
+                    "output_tail": output[-4000:]}
         result = {"returncode": proc.returncode, "seconds": round(time.perf_counter() - t0, 1)}
         if report.exists():
             result.update(_junit_summary(report))
@@ -102,6 +105,13 @@ def run_tests(timeout: float) -> dict:
         if not result["ok"]:
             result["output_tail"] = (proc.stdout + proc.stderr)[-4000:]
         return result
+
+
+def _progress_counts(output: str) -> dict:
+    """Tests passed and failed so far, from pytest -q's progress lines ("..F.s  [ 12%]")."""
+    marks = "".join(line.split("[")[0].strip() for line in output.splitlines()
+                    if re.fullmatch(r"[.FEsxX]+\s*(\[\s*\d+%\])?", line.strip()))
+    return {"passed_so_far": marks.count("."), "failed_so_far": marks.count("F") + marks.count("E")}
 
 
 def _junit_summary(path: Path) -> dict:
