@@ -41,11 +41,12 @@ bench-speculative: install models
 
 # on a machine with an NVIDIA GPU: CUDA tests for real, golden parity and a benchmark on CUDA
 # OFFLINE=1, on a GPU machine without network: the machine's own python3 and numba-cuda, the
-# project installed editable without dependencies (wheels/*.whl first: gguf and pyyaml); the real
-# models are checked where models/ has them
+# project installed editable without dependencies (wheels/*.whl first: gguf and pyyaml; into a
+# system Python too, which PEP 668 would refuse); the real models are checked where models/ has them
 ifeq ($(OFFLINE),1)
 gpu-check:
-	$(PYTHON) -m pip install --quiet --no-index --no-deps --no-build-isolation $(wildcard wheels/*.whl) -e .
+	PIP_BREAK_SYSTEM_PACKAGES=1 $(PYTHON) -m pip install --quiet --no-index --no-deps --no-build-isolation \
+		$(wildcard wheels/*.whl) -e .
 	@$(PYTHON) -c "import gguf" 2>/dev/null || { echo "gpu-check: the gguf package is missing (or its pyyaml): put their wheels in wheels/" >&2; exit 1; }
 	$(PYTHON) -m minillm.cli.gpu_check --out gpu-check.json
 else
