@@ -1,5 +1,6 @@
-"""GGUF's quantized blocks read in place on the device: a weight's integer code and its group's
-scale and bias, decoded in registers by the products (kernels/cuda/matmul.py).
+"""GGUF's quantized blocks read in place on the device: weights' integer codes, 4 at a time
+(codes4), and their group's scale and bias (group_scale), decoded in registers by the products
+(kernels/cuda/matmul.py).
 
 A quantized matrix is uploaded as the file stores it, one row of blocks a row:
     raw    uint8   (N, row_bytes)     the blocks
@@ -9,8 +10,8 @@ A quantized matrix is uploaded as the file stores it, one row of blocks a row:
                                       offset are two loads (codes4)
 so the device holds exactly the file's bytes, and a token's products read each weight's bits
 once. The values are those of minillm.kernels.cpu.unpack (the uniform layout of
-minillm.formats): code(e) * scale(g) + bias(g) is ggml's dequantized weight e of group g, the
-scale and bias computed with the same float32 operations.
+minillm.formats): code * scale(g) + bias(g) is ggml's dequantized weight of group g, the scale
+and bias computed with the same float32 operations.
 
 Formats are numbered (FORMAT_IDS); the kernels take the number as an argument and branch on it
 (the same branch for every thread of a launch).
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .device import pack4
 from .registry import device
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = range(10)
@@ -39,68 +39,6 @@ def _f16(raw_h, n, offset):
 
 
 @device
-def _code_32(raw, n, fmt, e):
-    """Code of weight e of a row in a format of 32-value blocks."""
-    b = e // 32
-    l = e % 32
-    if fmt == Q4_0:
-        return ((_byte(raw, n, b * 18 + 2 + l % 16) >> (4 * (l // 16))) & 15) - 8
-    if fmt == Q4_1:
-        return (_byte(raw, n, b * 20 + 4 + l % 16) >> (4 * (l // 16))) & 15
-    if fmt == Q8_0:
-        v = _byte(raw, n, b * 34 + 2 + l)
-        return v - 256 * (v >> 7)
-    # Q5_0, Q5_1: a 32-bit word of fifth bits (bit l: weight l), then the nibbles
-    o = b * 22 if fmt == Q5_0 else b * 24 + 2
-    high = (_byte(raw, n, o + 2 + l // 8) >> (l % 8)) & 1
-    low = (_byte(raw, n, o + 6 + l % 16) >> (4 * (l // 16))) & 15
-    return (low | (high << 4)) - (16 if fmt == Q5_0 else 0)
-
-
-@device
-def _code_k(raw, n, fmt, e):
-    """Code of weight e of a row in a K-quant (256-value super-blocks)."""
-    b = e // 256
-    E = e % 256
-    h = E // 128
-    rem = E % 128
-    if fmt == Q2_K or fmt == Q3_K:
-        j = rem // 32
-        s = (rem % 32) // 16
-        l = rem % 16
-        if fmt == Q2_K:
-            return (_byte(raw, n, b * 84 + 16 + h * 32 + s * 16 + l) >> (2 * j)) & 3
-        o = b * 110
-        v = (_byte(raw, n, o + 32 + h * 32 + s * 16 + l) >> (2 * j)) & 3
-        hbit = (_byte(raw, n, o + s * 16 + l) >> (h * 4 + j)) & 1
-        return v - 4 * (1 - hbit)
-    if fmt == Q6_K:
-        o = b * 210
-        quarter = rem // 32
-        l = rem % 32
-        low = (_byte(raw, n, o + h * 64 + (quarter % 2) * 32 + l) >> (4 * (quarter // 2))) & 15
-        high = (_byte(raw, n, o + 128 + h * 32 + l) >> (2 * quarter)) & 3
-        return (low | (high << 4)) - 32
-    # Q4_K, Q5_K: 64-value chunks c of 32 bytes, low nibbles first
-    c = E // 64
-    w = E % 64
-    l = w % 32
-    if fmt == Q4_K:
-        return (_byte(raw, n, b * 144 + 16 + c * 32 + l) >> (4 * (w // 32))) & 15
-    o = b * 176
-    low = (_byte(raw, n, o + 48 + c * 32 + l) >> (4 * (w // 32))) & 15
-    return low + 16 * ((_byte(raw, n, o + 16 + l) >> (2 * c + w // 32)) & 1)
-
-
-@device
-def code(raw, n, fmt, e):
-    """The signed integer code of weight e of row n."""
-    if fmt <= Q8_0:
-        return _code_32(raw, n, fmt, e)
-    return _code_k(raw, n, fmt, e)
-
-
-@device
 def _word(raw_w, n, offset):
     """The 4 bytes at even byte `offset` of row n, as an unsigned 32-bit value (two 16-bit loads)."""
     i = offset // 2
@@ -114,53 +52,65 @@ def _signed(word):
 
 
 @device
-def codes4(raw, raw_w, n, fmt, k):
+def _offset_codes(x, bits):
+    """4 bytes of unsigned codes x of `bits` bits as the signed bytes x - 2^(bits - 1) (Q4_0's
+    minus 8, Q3_K's minus 4, ...): the top bit flipped makes a two's complement of `bits` bits,
+    then extended over the byte."""
+    sign = 0x01010101 << (bits - 1)
+    flipped = x ^ sign
+    return _signed(flipped | (((flipped & sign) >> (bits - 1)) * (256 - (1 << (bits - 1)))))
+
+
+@device
+def codes4(raw_w, n, fmt, k):
     """Codes k..k+3 of row n (k a multiple of 4) as one int32 word of signed bytes, the lowest k
-    in the lowest byte. Every format but Q2_K and Q3_K keeps 4 consecutive codes' bits in 4
-    consecutive bytes at an even offset (or two such runs: low and high bits; Q5_0 and Q5_1
-    their fifth bits in one 32-bit word): a 32-bit read each, the bits taken bytewise (an
-    offset code minus 8, 16 or 32 as a two's complement of 4, 5 or 6 bits: flip the top bit,
-    then extend it over the byte). Q2_K and Q3_K take code() 4 times."""
-    if fmt == Q4_0 or fmt == Q4_1 or fmt == Q4_K:
-        if fmt == Q4_K:  # as _code_k: 64-value chunks of 32 bytes, low nibbles first
-            b, e = k // 256, k % 256
-            offset, shift = b * 144 + 16 + (e // 64) * 32 + e % 32, 4 * ((e % 64) // 32)
-        else:  # as _code_32: 16 bytes, weights l and l + 16 in the low and high nibbles of byte l
-            b, l = k // 32, k % 32
-            offset = (b * 18 + 2 if fmt == Q4_0 else b * 20 + 4) + l % 16
-            shift = 4 * (l // 16)
-        nibbles = (_word(raw_w, n, offset) >> shift) & 0x0F0F0F0F
-        if fmt != Q4_0:
-            return np.int32(nibbles)
-        flipped = nibbles ^ 0x08080808  # x - 8 in 4 bits; bit 3 its sign
-        return _signed(flipped | (((flipped & 0x08080808) >> 3) * 0xF0))
-    if fmt == Q8_0:
-        return _signed(_word(raw_w, n, (k // 32) * 34 + 2 + k % 32))
-    if fmt == Q5_0 or fmt == Q5_1:  # as _code_32: the fifth bits l..l+3 of a 32-bit word, spread to bit 4 of each byte
+    in the lowest byte: the codes of ggml's blocks (minillm.formats), as minillm.kernels.cpu.unpack
+    reads them. In every format 4 consecutive codes keep their bits in 4 consecutive bytes at an
+    even offset (or two such runs: low and high bits; Q5_0 and Q5_1 their fifth bits in one
+    32-bit word): a 32-bit read each, the bits taken bytewise."""
+    if fmt == Q4_0 or fmt == Q4_1 or fmt == Q5_0 or fmt == Q5_1:
+        # blocks of 32: an f16 scale (and an f16 min: Q4_1, Q5_1), Q5's 32-bit word of fifth bits
+        # (bit l: weight l), then 16 bytes of nibbles, weights l and l + 16 in byte l
         b, l = k // 32, k % 32
-        o = b * 22 if fmt == Q5_0 else b * 24 + 2
-        low = (_word(raw_w, n, o + 6 + l % 16) >> (4 * (l // 16))) & 0x0F0F0F0F
+        o = b * (18 + 2 * fmt) + 2 * (fmt % 2)  # the block (18, 20, 22, 24 bytes), past its min
+        low = (_word(raw_w, n, o + (2 if fmt <= Q4_1 else 6) + l % 16) >> (4 * (l // 16))) & 0x0F0F0F0F
+        if fmt == Q4_1:
+            return np.int32(low)
+        if fmt == Q4_0:
+            return _offset_codes(low, 4)
         fifth = (_word(raw_w, n, o + 2) >> l) & 15
         codes = low | (((fifth * 0x00204081) & 0x01010101) << 4)  # bit i to bit 8 i
-        if fmt == Q5_1:
-            return np.int32(codes)
-        flipped = codes ^ 0x10101010  # x - 16 in 5 bits; bit 4 its sign
-        return _signed(flipped | (((flipped & 0x10101010) >> 4) * 0xE0))
-    if fmt == Q5_K:  # as _code_k: the low nibbles as Q4_K's, a fifth bit a byte from 32 bytes at 16
-        o, e = (k // 256) * 176, k % 256
+        return np.int32(codes) if fmt == Q5_1 else _offset_codes(codes, 5)
+    if fmt == Q8_0:  # 32 signed bytes after the scale
+        return _signed(_word(raw_w, n, (k // 32) * 34 + 2 + k % 32))
+    e = k % 256  # the K-quants: super-blocks of 256 weights
+    if fmt == Q4_K or fmt == Q5_K:
+        # 64-weight chunks c of 32 bytes, low nibbles first; Q5_K's fifth bits one a byte from
+        # 32 bytes at 16 (bit 2c for the chunk's low nibbles, 2c + 1 for its high)
         c, w = e // 64, e % 64
-        low = (_word(raw_w, n, o + 48 + c * 32 + w % 32) >> (4 * (w // 32))) & 0x0F0F0F0F
-        fifth = (_word(raw_w, n, o + 16 + w % 32) >> (2 * c + w // 32)) & 0x01010101
-        return np.int32(low | (fifth << 4))
-    if fmt == Q6_K:  # as _code_k: 4 low bits and 2 high bits, minus 32 as a 6-bit two's complement
-        o, e = (k // 256) * 210, k % 256
-        h, quarter, l = e // 128, (e % 128) // 32, e % 32
+        o = (k // 256) * (144 if fmt == Q4_K else 176)
+        low = (_word(raw_w, n, o + (16 if fmt == Q4_K else 48) + c * 32 + w % 32) >> (4 * (w // 32))) & 0x0F0F0F0F
+        if fmt == Q4_K:
+            return np.int32(low)
+        return np.int32(low | (((_word(raw_w, n, o + 16 + w % 32) >> (2 * c + w // 32)) & 0x01010101) << 4))
+    h = e // 128  # Q2_K, Q3_K, Q6_K: two halves of 128 weights
+    if fmt == Q6_K:
+        # 4 low bits: weight l of quarter q of half h in byte h 64 + (q % 2) 32 + l, nibble q // 2;
+        # 2 high bits in byte 128 + h 32 + l, at bit 2 q; minus 32
+        o, quarter, l = (k // 256) * 210, (e % 128) // 32, e % 32
         low = (_word(raw_w, n, o + h * 64 + (quarter % 2) * 32 + l) >> (4 * (quarter // 2))) & 0x0F0F0F0F
         high = (_word(raw_w, n, o + 128 + h * 32 + l) >> (2 * quarter)) & 0x03030303
-        flipped = (low | (high << 4)) ^ 0x20202020  # x - 32 in 6 bits; bit 5 its sign
-        return _signed(flipped | (((flipped & 0x20202020) >> 5) * 0xC0))
-    return np.int32(pack4(code(raw, n, fmt, k), code(raw, n, fmt, k + 1), code(raw, n, fmt, k + 2),
-                          code(raw, n, fmt, k + 3)))
+        return _offset_codes(low | (high << 4), 6)
+    # Q2_K, Q3_K: 2 bits, weight l of 16-weight part s of quarter j of half h in byte h 32 + s 16 + l at
+    # bit 2 j (after 16 bytes of scales; Q3_K's after 32 bytes of high bits); Q3_K's third bit in
+    # byte s 16 + l at bit 4 h + j, and its codes minus 4
+    j, s, l = (e % 128) // 32, (e % 32) // 16, e % 16
+    if fmt == Q2_K:
+        return np.int32((_word(raw_w, n, (k // 256) * 84 + 16 + h * 32 + s * 16 + l) >> (2 * j)) & 0x03030303)
+    o = (k // 256) * 110
+    low = (_word(raw_w, n, o + 32 + h * 32 + s * 16 + l) >> (2 * j)) & 0x03030303
+    third = (_word(raw_w, n, o + s * 16 + l) >> (4 * h + j)) & 0x01010101
+    return _offset_codes(low | (third << 2), 3)
 
 
 @device

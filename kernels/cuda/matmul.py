@@ -62,7 +62,7 @@ def _codes4(raw, raw_w, n, fmt, k):
     """Codes k..k+3 of weight row n as one int32 word (blocks.codes4); 0 past the rows."""
     if n >= raw.shape[0]:
         return np.int32(0)
-    return codes4(raw, raw_w, n, fmt, k)
+    return codes4(raw_w, n, fmt, k)
 
 
 @device
