@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import cuda_env
+
 from minillm.kernels.cpu.lazy_cache import elf_defined_symbols
 
 PROBE = """
@@ -122,9 +124,8 @@ def test_cuda_kernels_are_cached_and_keyed_to_every_cuda_source():
     """With numba-cuda's real target (no simulator; no GPU needed to declare kernels) every
     kernel is cached on disk, its entries stamped with the digest of the CUDA sources, as the
     CPU's are with theirs."""
-    env = {key: value for key, value in os.environ.items() if key != "NUMBA_ENABLE_CUDASIM"}
-    proc = subprocess.run([sys.executable, "-c", CUDA_STAMP_PROBE], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", CUDA_STAMP_PROBE], capture_output=True, text=True,
+                          env=cuda_env.environment_for_ptx_check(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["True", "True"]
 
@@ -161,9 +162,8 @@ def test_every_cuda_kernel_can_be_saved_to_the_cache():
     part needs a GPU)."""
     from minillm.kernels.cuda import KERNELS
 
-    env = {key: value for key, value in os.environ.items() if key != "NUMBA_ENABLE_CUDASIM"}
-    proc = subprocess.run([sys.executable, "-c", CUDA_PICKLE_PROBE], capture_output=True, text=True, env=env,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-c", CUDA_PICKLE_PROBE], capture_output=True, text=True,
+                          env=cuda_env.environment_for_ptx_check(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.split()[-1]) == sum(len(spec.signatures) for spec in KERNELS.values())
 

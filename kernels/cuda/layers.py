@@ -222,14 +222,13 @@ def _stacked(weights) -> DeviceMatrix | None:
     stacked = None
     if same:
         raw = cuda.device_array((sum(b.n_rows for b in blocks), blocks[0].raw.shape[1]), np.uint8)
-        raw_h, raw_w = raw.view(np.float16), raw.view(np.uint16)
         r0 = 0
         for b in blocks:
             raw[r0:r0 + b.n_rows].copy_to_device(b.raw)
-            b.raw, b.raw_h, b.raw_w = raw[r0:r0 + b.n_rows], raw_h[r0:r0 + b.n_rows], raw_w[r0:r0 + b.n_rows]
+            b.read_from(raw[r0:r0 + b.n_rows])
             r0 += b.n_rows
-        stacked = DeviceMatrix(QWeights(raw, raw_h, raw_w, blocks[0].fmt, blocks[0].group, blocks[0].has_bias, r0,
-                                        blocks[0].n_cols), first.kind)
+        stacked = DeviceMatrix(QWeights(raw, blocks[0].fmt, blocks[0].group, blocks[0].has_bias, r0, blocks[0].n_cols),
+                               first.kind)
     first.stacks[key] = stacked
     return stacked
 

@@ -24,7 +24,7 @@ round_bf16_kernel).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numba import cuda
@@ -377,13 +377,20 @@ class QWeights:
     """A quantized matrix on the device: the file's blocks (see kernels/cuda/blocks.py)."""
 
     raw: object     # uint8 (N, row_bytes)
-    raw_h: object   # float16 (N, row_bytes / 2): the same memory
-    raw_w: object   # uint16 (N, row_bytes / 2): the same memory
     fmt: int        # blocks.FORMAT_IDS
     group: int      # codes sharing a scale (16 or 32)
     has_bias: bool
     n_rows: int
     n_cols: int
+    raw_h: object = field(init=False)  # float16 (N, row_bytes / 2): the same memory
+    raw_w: object = field(init=False)  # uint16 (N, row_bytes / 2): the same memory
+
+    def __post_init__(self):
+        self.read_from(self.raw)
+
+    def read_from(self, raw) -> None:
+        """Take the blocks from raw (the same bytes elsewhere on the device), with its views."""
+        self.raw, self.raw_h, self.raw_w = raw, raw.view(np.float16), raw.view(np.uint16)
 
 
 @dataclass
@@ -403,8 +410,7 @@ def upload_blocks(fmt, raw: np.ndarray, n_cols: int) -> QWeights:
     if raw.shape[1] != n_cols // fmt.block_size * fmt.type_size or n_cols % fmt.block_size:
         raise ValueError(f"{fmt.name}: rows of {raw.shape[1]} bytes do not hold {n_cols} values")
     device_raw = cuda.to_device(np.ascontiguousarray(raw, np.uint8))
-    return QWeights(device_raw, device_raw.view(np.float16), device_raw.view(np.uint16), FORMAT_IDS[fmt.name],
-                    fmt.group, fmt.has_bias, raw.shape[0], n_cols)
+    return QWeights(device_raw, FORMAT_IDS[fmt.name], fmt.group, fmt.has_bias, raw.shape[0], n_cols)
 
 
 def upload_float_matrix(weight: np.ndarray, fmt_name: str) -> FWeights:
