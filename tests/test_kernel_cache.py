@@ -69,6 +69,42 @@ def test_elf_symbols_are_the_defined_ones():
     assert elf_defined_symbols(b"\xcf\xfa\xed\xfe" + bytes(60)) is None  # Mach-O: Numba's own path
 
 
+PARALLEL_CALLEE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import minillm.kernels.cpu  # installs the lazy loading
+import numpy as np
+import cached_caller
+
+function = getattr(cached_caller, sys.argv[2])
+print(function(np.arange(8.0))[0], sum(function.stats.cache_hits.values()))
+"""
+
+
+def test_a_cached_function_calling_a_parallel_one_loads_first_in_a_process(tmp_path):
+    """A cached function that calls a parallel=True one through another, compiled while that
+    other was loaded from the cache (as layers.quantize, over matmul's quantize_act and its
+    parallel quantizer), then loaded from the cache before any parallel kernel ran in a
+    process: its call into the threading layer jumped to address 0 (numba issues 8578, 9938)
+    until loading it started the layer."""
+    (tmp_path / "cached_caller.py").write_text(
+        "import numba\nimport numpy as np\n\n"
+        "@numba.njit(parallel=True, cache=True)\ndef inner(x):\n    return np.zeros(x.size) + x.sum()\n\n"
+        "@numba.njit(cache=True)\ndef middle(x):\n    return inner(x)\n\n"
+        "@numba.njit(cache=True)\ndef outer(x):\n    return middle(x) + 1\n")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+
+    def probe(function: str):
+        out = subprocess.run([sys.executable, "-c", PARALLEL_CALLEE, str(tmp_path), function], capture_output=True,
+                             text=True, env=env, timeout=300)
+        assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-2000:]}"
+        return out.stdout.split()
+
+    assert probe("middle") == ["28.0", "0"]  # compiled and cached
+    assert probe("outer") == ["29.0", "0"]   # compiled, middle loaded from the cache
+    assert probe("outer") == ["29.0", "1"]   # loaded from the cache, first in its process
+
+
 def test_cached_kernels_are_keyed_to_every_source_compiled_code_comes_from(monkeypatch):
     """A kernel's cache entry records, beside its own file's hash, a digest of all the sources
     compiled code is made of (kernels/cache_stamp.py): when any of them changes (simd.py

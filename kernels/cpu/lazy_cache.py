@@ -7,13 +7,19 @@ start and ~30 MiB held for the life of the process, for bitcode no normal run li
 
 `install()` changes two methods of Numba's CPU code library: a cached library takes its
 defined symbols from the machine code's ELF symbol table, and its bitcode is parsed only if
-something links against it. Where the hooks it relies on are missing (another Numba) or the
+something links against it; and a cached library that calls the threading layer starts it. Where the hooks it relies on are missing (another Numba) or the
 machine code is not ELF (another OS), Numba's own loading runs unchanged.
 """
 from __future__ import annotations
 
 import struct
 
+# A cached function that calls a parallel=True one (layers.quantize calls matmul's parallel
+# quantizer) calls the threading layer's entry points, but Numba starts the layer on loading
+# the parallel function's own cache entry only (numba issues 8578 and 9938): loaded first in a
+# process, such a function jumped to address 0. A cached library whose code names the layer's
+# entry point starts it before it loads.
+_THREADING_ENTRY = b"numba_parallel_for"
 _SHT_SYMTAB = 2
 _SHN_UNDEF = 0
 _STT_SECTION, _STT_FILE = 3, 4
@@ -45,6 +51,7 @@ def install() -> bool:
     try:
         import llvmlite.binding as llvm
         from numba.core.codegen import CPUCodeLibrary, JitEngine
+        from numba.np.ufunc.parallel import _launch_threads
     except ImportError:
         return False
     if getattr(CPUCodeLibrary, "_minillm_lazy", False):
@@ -58,6 +65,8 @@ def install() -> bool:
 
     def _unserialize(cls, codegen, state):
         _, kind, data = state
+        if kind == "object" and _THREADING_ENTRY in data[0]:
+            _launch_threads()
         symbols = elf_defined_symbols(data[0]) if kind == "object" else None
         if symbols is None:
             return numba_unserialize(cls, codegen, state)
