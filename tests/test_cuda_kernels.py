@@ -112,6 +112,26 @@ def test_rmsnorm_matches_cpu():
     assert_close(to_host(out), want, 1e-6)
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_norm_takes_over_the_residual_add_before_it(quantized):
+    """x = res + x, then the norm of x (and its quantization), in one launch: x becomes the
+    CPU's sum, and the rest is what the add launched alone, then the norm, give."""
+    rng = rng_for("add_rmsnorm", quantized)
+    x, res = activations_input(3, 256, rng), activations_input(3, 256, rng)
+    weight = (1 + rng.standard_normal(256) * 0.1).astype(np.float32)
+    want_sum = res + x  # the CPU layers' add
+    alone, dx = cuda.device_array_like(x), cuda.to_device(x)
+    gpu.rmsnorm(cuda.to_device(want_sum), cuda.to_device(weight), 1e-5, alone)
+    out = cuda.device_array_like(x)
+    if quantized:
+        act = gpu.rmsnorm_quantize(dx, cuda.to_device(weight), 1e-5, cpu_mm.KIND_Q8_0, out, res=cuda.to_device(res))
+        assert_quantized_equal(act, cpu_quantize(to_host(alone), cpu_mm.KIND_Q8_0))
+    else:
+        gpu.rmsnorm(dx, cuda.to_device(weight), 1e-5, out, res=cuda.to_device(res))
+    np.testing.assert_array_equal(to_host(dx), want_sum)
+    np.testing.assert_array_equal(to_host(out), to_host(alone))
+
+
 def test_rmsnorm_quantize_fused_matches_cpu():
     rng = rng_for("rmsnorm_quantize")
     x = activations_input(3, 256, rng)
@@ -372,6 +392,31 @@ def test_attention_matches_cpu(window, softcap):
     gpu.attention(cuda.to_device(q), cuda.to_device(q_pos), cuda.to_device(kc), cuda.to_device(vc),
                   cuda.to_device(kv_pos), 0, window, scale, softcap, H, out)
     np.testing.assert_allclose(to_host(out), want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q8_1"])
+def test_attention_quantizes_its_output_in_the_merge_launch(kind):
+    """Heads of whole 32-groups: the merge launch quantizes each head's values for the product
+    after it, as quantize() would the output; paths and kinds it cannot take are refused."""
+    rng = rng_for("attention quantized", kind)
+    T, H, Hkv, D, S = 2, 4, 2, 64, 12
+    q = rng.standard_normal((T, H * D)).astype(np.float32)
+    cache = [cuda.to_device(rng.standard_normal((S, Hkv, D)).astype(np.float16)) for _ in range(2)]
+    kv_pos, q_pos = cuda.to_device(np.arange(S, dtype=np.int64)), cuda.to_device(np.array([10, 11], np.int64))
+    args = (cuda.to_device(q), q_pos, *cache, kv_pos, 0, 0, 0.125, 0.0, H)
+    alone, out = (cuda.device_array((T, H * D), np.float32) for _ in range(2))
+    rows_args = (cuda.to_device(q), q_pos, cuda.to_device(np.zeros(T, np.int64)),  # each row alone
+                 cuda.to_device(np.zeros((1, 1), np.int64)), -1, S, *cache, kv_pos, 0, 0.125, 0.0, H)
+    for attend, how in ((gpu.attention, args), (gpu.attention_rows, rows_args)):
+        attend(*how, alone)
+        act = gpu.QActivations.empty(T, H * D, KINDS[kind])
+        attend(*how, out, act=act)
+        np.testing.assert_array_equal(to_host(out), to_host(alone))
+        assert_quantized_equal(act, cpu_quantize(to_host(alone), KINDS[kind]))
+    assert not gpu_attention.quantizes_output(T, D, cpu_mm.KIND_Q8_K)
+    assert not gpu_attention.quantizes_output(gpu_attention.TILE, D, KINDS[kind])
+    with pytest.raises(ValueError, match="cannot quantize"):
+        gpu.attention(*args, out, act=gpu.QActivations.empty(T, H * D, cpu_mm.KIND_Q8_K))
 
 
 def test_a_lone_query_over_a_long_context_splits_its_cells_as_the_cpu_does():

@@ -345,12 +345,13 @@ def test_a_toolchain_that_cannot_compile_is_one_clear_error(model_files, monkeyp
 from minillm.backends import cuda as cuda_backend_module  # noqa: E402
 from minillm.kernels.cuda.launch import COUNTS, Replay  # noqa: E402
 
-# a Llama layer's decode step: norm + quantize, q/k/v stacked, RoPE + store, attention (its runs,
-# then their merge), quantize, o, add, norm + quantize, gate/up stacked, SwiGLU + quantize, down,
-# add (biases and scales absent: no launch); then the output norm, quantize and product
-LAUNCHES_PER_LLAMA_LAYER = 13
-LAUNCHES_PER_LLAMA_LAYER_UNSTACKED = 16  # with the tiled kernels (BATCHED): a launch a matrix
-LAUNCHES_AFTER_THE_LAYERS = 3
+# a Llama layer's decode step: (the last add +) norm + quantize, q/k/v stacked, RoPE + store,
+# attention (its runs, then their merge + quantize), o, add + norm + quantize, gate/up stacked,
+# SwiGLU + quantize, down (biases and scales absent: no launch); then the last add, the output
+# norm and its quantization in one launch, and the output product
+LAUNCHES_PER_LLAMA_LAYER = 10
+LAUNCHES_PER_LLAMA_LAYER_UNSTACKED = 13  # with the tiled kernels (BATCHED): a launch a matrix
+LAUNCHES_AFTER_THE_LAYERS = 2
 
 
 def _counted(step):
@@ -361,9 +362,37 @@ def _counted(step):
 
 @pytest.fixture(scope="module")
 def two_layer_q4_0(tmp_path_factory):
-    """A two-layer Llama in one format (the real models' shape: one activation kind)."""
-    model = SyntheticModel("llama", "Q4_0", n_layer=2, **TINY).build()
+    """A two-layer Llama in one format (the real models' shape: one activation kind), its heads
+    a 32-group each (as the real models' are whole groups)."""
+    model = SyntheticModel("llama", "Q4_0", n_layer=2, **dict(TINY, head_dim=32)).build()
     return model.write(tmp_path_factory.mktemp("cuda_steps") / "llama-q4_0.gguf")
+
+
+def test_a_residual_add_is_computed_before_anything_reads_it():
+    """add() leaves its sum to the norm taken of it next; any other operation on the sum (or on
+    its operands) launches the add first, and a sum nobody keeps is never computed."""
+    from numba import cuda
+
+    rng = np.random.default_rng(3)
+    x, y = (rng.standard_normal((2, 64)).astype(np.float32) for _ in range(2))
+    pool = cuda_layers.BufferPool()
+    with cuda_layers.using_pool(pool):
+        dy = cuda_layers.add(cuda.to_device(x), cuda.to_device(y))
+        np.testing.assert_array_equal(dy.copy_to_host(), y)  # pending: not launched yet
+        np.testing.assert_array_equal(cuda_layers.scaled(dy, 2.0).copy_to_host(), (x + y) * np.float32(2))
+
+        _, counts = _counted(lambda: cuda_layers.add(cuda.to_device(x), cuda.to_device(y)))
+        cuda_layers.recycle()  # its sum is not kept
+        _, counts_after = _counted(lambda: cuda_layers.scaled(cuda.to_device(x), 2.0))
+        assert counts["launches"] == 0 and counts_after["launches"] == 1  # the scale alone
+
+
+def test_the_pool_keeps_a_buffer_whose_rows_a_pending_add_reads():
+    pool = cuda_layers.BufferPool()
+    held, _ = pool.take((4, 64)), pool.take((4, 64))
+    pool.recycle(keep_memory=[held[1:]])  # a view of some of its rows, made outside the pool
+    assert len(pool.used) == 1 and pool.used[0][2] is held
+    assert [len(buffers) for buffers in pool.free.values()] == [1]  # other's buffer only
 
 
 def test_decode_steps_replay_a_fixed_count_of_launches_and_allocate_nothing(two_layer_q4_0, monkeypatch):

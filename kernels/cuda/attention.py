@@ -28,9 +28,11 @@ from numba import cuda
 
 from ..cpu.ops import (_EXP_C1, _EXP_C2, _EXP_C3, _EXP_C4, _EXP_C5, _EXP_ROUND, _LN2_HI, _LN2_LO, _LOG2E,
                        GGML_AVX512)
+from ..cpu.matmul import KIND_Q8_0, KIND_Q8_1  # plain constants: no CPU kernel is compiled
 from ..cpu.ops import THREADS as CPU_SPLIT_PARTS  # the CPU's split path: a run per thread
 from .device import NEG_INF, SIMULATOR, f16_round, fma32, pow2_threads
 from .launch import launch
+from .norm_quant import QUANT_OUT_SIG, QActivations, quantize_group32
 from .registry import device, kernel
 
 MAX_HEAD_DIM = 512
@@ -169,14 +171,29 @@ def attention_runs_kernel(q, q_pos, row_seq, tables, shift, n_slots, kcache, vca
         s_out[t, part, h] = s_sum
 
 
-@kernel("void(float32[:, :, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1])")
-def merge_runs_kernel(acc, m, s_sum, out):
+NOT_QUANTIZED = -1  # merge_runs_kernel's kind when the product after it quantizes the output itself
+
+
+@kernel(f"void(float32[:, :, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], int64, {QUANT_OUT_SIG})")
+def merge_runs_kernel(acc, m, s_sum, out, kind, words, d16, s16, d32, s32):
     """out[t, h*D:(h+1)*D] from the runs of attention_runs_kernel (acc (T, P, H, D), m and s_sum
     (T, P, H)), merged in order as ggml_flash_attn_ext_reduce_partials (empty runs left out).
     A row of one run comes out as ggml's one chunk normalizes it: fma(0, 0, acc * 1) is acc.
-    Grid (H, T), block (n,): threads over D."""
+    Then, unless kind is NOT_QUANTIZED, the head's 32-groups of out quantized for kind (Q8_0 or
+    Q8_1: norm_quant's layout) for the product that reads them. Grid (H, T), block (n,):
+    threads over D."""
     h = cuda.blockIdx.x
     t = cuda.blockIdx.y
+    _merge_head(acc, m, s_sum, out, h, t)
+    if kind != NOT_QUANTIZED:
+        cuda.syncthreads()  # the head's values, written by all threads, are read by group owners
+        groups = acc.shape[3] // 32
+        for g in range(cuda.threadIdx.x, groups, cuda.blockDim.x):
+            quantize_group32(out, t, h * groups + g, kind, words, d16, s16, d32, s32)
+
+
+@device
+def _merge_head(acc, m, s_sum, out, h, t):
     for d in range(cuda.threadIdx.x, acc.shape[3], cuda.blockDim.x):
         total = np.float32(0.0)
         m_all = NEG_INF
@@ -327,39 +344,59 @@ def _capped_scale(scale: float, softcap: float) -> np.float32:
     return np.float32(np.float32(scale) / np.float32(softcap)) if softcap else np.float32(scale)
 
 
+def quantizes_output(T: int, head_dim: int, kind: int, rows: bool = False) -> bool:
+    """Whether attention (attention_rows where rows) of T query rows can quantize its output for
+    activation kind in its own launch (`act`): on the one-chunk path, for the 32-group kinds,
+    when a head's values are whole groups."""
+    return (rows or T < TILE) and kind in (KIND_Q8_0, KIND_Q8_1) and head_dim % 32 == 0
+
+
 def attention(q, q_pos, kcache, vcache, kv_pos, n_keep: int, window: int, scale: float, softcap: float,
-              n_heads: int, out, q_scale: float = 1.0, take=None):
+              n_heads: int, out, q_scale: float = 1.0, take=None, act: QActivations | None = None):
     """Launch the path ggml takes for T = q.shape[0] rows of q times q_scale over a sequence's own
     cache (module doc; device arrays, shapes as in attention_runs_kernel's doc): the tiled path
     scales q as the CPU's layer does; the one-chunk path, which rounds q to f16, takes q_scale
     into the scores' scale (exact for a power of two, see layers.rope_attend). A lone query takes
-    the split path. take(shape): device float32 scratch (default: new arrays)."""
+    the split path. take(shape): device float32 scratch (default: new arrays). act: out's
+    quantization, made in the same launch (where quantizes_output)."""
     T = q.shape[0]
     _check_heads(kcache, n_heads)
+    if act is not None and not quantizes_output(T, kcache.shape[2], act.kind):
+        raise ValueError(f"attention of {T} rows cannot quantize its output for kind {act.kind}")
     if T >= TILE:
         launch(attention_tiled_kernel, (n_heads, T), TILE, q, q_pos, kcache, vcache, kv_pos, int(n_keep),
                int(window), np.float32(q_scale), _capped_scale(scale, softcap), np.float32(softcap), out)
         return out
     row_seq, tables = _own_cache()
     return _runs(q, q_pos, row_seq, tables, 0, kcache.shape[0], kcache, vcache, kv_pos, n_keep, window,
-                 np.float32(scale) * np.float32(q_scale), softcap, n_heads, out, T == 1, take)
+                 np.float32(scale) * np.float32(q_scale), softcap, n_heads, out, T == 1, take, act)
 
 
 def attention_rows(q, q_pos, row_seq, tables, shift: int, n_slots: int, kcache, vcache, kv_pos, window: int,
-                   scale: float, softcap: float, n_heads: int, out, q_scale: float = 1.0, take=None, n_keep: int = 0):
+                   scale: float, softcap: float, n_heads: int, out, q_scale: float = 1.0, take=None, n_keep: int = 0,
+                   act: QActivations | None = None):
     """Each row t of q over the cells of its sequence row_seq[t] in a shared pool (block tables
     (n_seq, blocks) of 2^shift rows, n_slots slots a sequence sees), exactly as `attention`
     computes a lone query at its position q_pos[t], whatever the other rows (the batching
     scheduler's rows). shift < 0: one sequence's own cache, each row alone (speculative
-    verification)."""
+    verification). act: as attention's."""
     _check_heads(kcache, n_heads)
+    if act is not None and not quantizes_output(q.shape[0], kcache.shape[2], act.kind, rows=True):
+        raise ValueError(f"attention rows cannot quantize their output for kind {act.kind}")
     return _runs(q, q_pos, row_seq, tables, shift, n_slots, kcache, vcache, kv_pos, n_keep, window,
-                 np.float32(scale) * np.float32(q_scale), softcap, n_heads, out, True, take)
+                 np.float32(scale) * np.float32(q_scale), softcap, n_heads, out, True, take, act)
+
+
+@functools.cache
+def _unread_activations() -> QActivations:
+    """merge_runs_kernel's quantization arguments when it quantizes nothing."""
+    return QActivations.empty(1, 32, KIND_Q8_0)
 
 
 def _runs(q, q_pos, row_seq, tables, shift, n_slots, kcache, vcache, kv_pos, n_keep, window, scale, softcap, n_heads,
-          out, split: bool, take):
-    """attention_runs_kernel over split_parts runs (one without split), then merge_runs_kernel."""
+          out, split: bool, take, act):
+    """attention_runs_kernel over split_parts runs (one without split), then merge_runs_kernel
+    (quantizing out into act, where given)."""
     T, D = q.shape[0], kcache.shape[2]
     parts = split_parts(n_heads) if split else 1
     take = take or (lambda shape: cuda.device_array(shape, np.float32))
@@ -368,5 +405,7 @@ def _runs(q, q_pos, row_seq, tables, shift, n_slots, kcache, vcache, kv_pos, n_k
     launch(attention_runs_kernel, (n_heads, T, parts), threads, q, q_pos, row_seq, tables, int(shift), int(n_slots),
            kcache, vcache, kv_pos, int(n_keep), int(window), _capped_scale(scale, softcap), np.float32(softcap),
            bool(split), acc, m, s_sum)
-    launch(merge_runs_kernel, (n_heads, T), pow2_threads(D, hi=MAX_THREADS), acc, m, s_sum, out)
+    kind, quantized = (act.kind, act) if act is not None else (NOT_QUANTIZED, _unread_activations())
+    launch(merge_runs_kernel, (n_heads, T), pow2_threads(D, hi=MAX_THREADS), acc, m, s_sum, out, kind,
+           quantized.words, quantized.d16, quantized.s16, quantized.d32, quantized.s32)
     return out

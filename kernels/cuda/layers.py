@@ -15,21 +15,23 @@ frees device memory in batches that synchronise the device; reusing buffers avoi
 the allocation calls.) One forward pass at a time.
 
 Some ops write into an argument, as the CPU's rope_attend rotates q and k in place:
-rope_attend rotates q and k, add(x, y) computes x + y into y, add_bias and scaled change x
-(always temporaries in the layers).
+rope_attend rotates q and k, add(x, y) computes x + y into y (in the launch of the norm taken of
+the sum next, where there is one), add_bias and scaled change x (always temporaries in the
+layers).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 from numba import cuda
 
-from .attention import attention, attention_rows
+from .attention import attention, attention_rows, quantizes_output
 from .matmul import FWeights, QWeights, fmatmul, qmatmul
 from .norm_quant import GLU_GELU, GLU_SILU, QActivations, glu_quantize, quantize, rmsnorm, rmsnorm_quantize
 from .launch import COUNTS, launch
@@ -113,15 +115,33 @@ class BufferPool:
         view.copy_to_device(np.ascontiguousarray(host))
         return view
 
-    def recycle(self, keep=()) -> None:
-        """Every buffer handed out, but the views in keep, is free for reuse."""
+    def recycle(self, keep=(), keep_memory=()) -> None:
+        """Every buffer handed out is free for reuse, but those of the views in keep and those
+        holding an array of keep_memory (views of rows of a buffer, made outside the pool)."""
         kept = []
-        for key, buffer, view in self.used:
-            if any(view is k for k in keep):
-                kept.append((key, buffer, view))
+        for entry in self.used:
+            key, buffer, view = entry
+            if any(view is k for k in keep) or any(_holds(key, buffer, a) for a in keep_memory):
+                kept.append(entry)
             else:
                 self.free.setdefault(key, []).append(buffer)
         self.used = kept
+
+
+def _address(array) -> int:
+    """Where an array's first element is in device memory."""
+    try:
+        return array.device_ctypes_pointer.value
+    except AttributeError:  # the simulator's arrays wrap numpy's
+        return array.__array_interface__["data"][0]
+
+
+def _holds(key: tuple, buffer, array) -> bool:
+    """Whether a pooled buffer (its pool key) holds array, a view of some of its rows."""
+    if key[1:] != (tuple(array.shape[1:]), array.dtype.str):
+        return False
+    start = _address(buffer)
+    return start <= _address(array) < start + buffer.nbytes
 
 
 POOL = BufferPool()  # the pool the operations take from (using_pool swaps it)
@@ -137,14 +157,17 @@ def using_pool(pool: BufferPool):
         yield pool
     finally:
         POOL = saved
+        _PENDING_ADDS.clear()  # (a pass that raised): no add outlives its buffers' pool
 
 
 def recycle(keep=()) -> None:
-    POOL.recycle(keep)
+    """Every buffer the operations handed out is free again, but the arrays in keep (and the
+    operands of a pending add whose sum is kept)."""
+    _PENDING_ADDS[:] = [(y, x) for y, x in _PENDING_ADDS if any(y is k for k in keep)]
+    POOL.recycle(keep, keep_memory=[a for pair in _PENDING_ADDS for a in pair])
     _QUANTIZED.clear()
-    _NORMED_BY.clear()
-    _GLU_BY.clear()
-    _GLU_CALLS[0] = 0
+    _AWAITING.clear()
+    _CALLS.clear()
 
 
 # ---- matrix products -------------------------------------------------------------------
@@ -153,20 +176,28 @@ def recycle(keep=()) -> None:
 #  - a norm whose output the next product quantizes quantizes it in the same launch
 #    (rmsnorm_quantize): the kind each norm's weight is followed by is learned on the first
 #    pass (_NORM_KINDS), and the quantized rows wait in _QUANTIZED for the product that reads them;
-#  - so does a SwiGLU or GeGLU (glu_quantize), its kind learned per call of the layer (the n-th
-#    GLU of a layer, at its width: _GLU_KINDS). A product that wants another kind than the one
-#    learned quantizes the output again and learns the new kind: never wrong, and one launch
-#    more only where the kinds alternate;
+#  - so do a SwiGLU or GeGLU (glu_quantize) and attention (its merge kernel, for the 32-group
+#    kinds), their kinds learned per call of the layer (the n-th GLU of a layer, at its width:
+#    _CALL_KINDS). A product that wants another kind than the one learned quantizes the output
+#    again and learns the new kind: never wrong, and one launch more only where the kinds
+#    alternate;
 #  - a single token's products with matrices of one format, width and activation kind (q, k, v;
 #    gate, up) are one launch over their rows stacked: the matrices are moved into one device
 #    buffer on first use, each keeping a view of its rows (no byte stored twice).
 
 _NORM_KINDS: dict[int, tuple] = {}  # id(norm weight) -> (weak reference to it, the kind after it)
 _QUANTIZED: dict[int, tuple] = {}  # id(x) -> (x, learn(kind), its QActivations) until the buffers recycle
-_NORMED_BY: dict[int, tuple] = {}  # id(x) -> (x, learn(kind)): the norms' outputs not quantized yet
-_GLU_KINDS: dict[tuple, int] = {}  # (the GLU's call index in the layer, width) -> the kind after it
-_GLU_BY: dict[int, tuple] = {}     # id(x) -> (x, learn(kind)): GLU outputs not quantized yet
-_GLU_CALLS = [0]                   # GLUs called since the buffers last recycled (the layer so far)
+_AWAITING: dict[int, tuple] = {}   # id(x) -> (x, learn(kind)): outputs (norms, GLUs, attention) not quantized yet
+_CALL_KINDS: dict[tuple, int] = {}  # (operation, its call index in the layer, width) -> the kind after it
+_CALLS: Counter = Counter()        # calls of each operation since the buffers last recycled (the layer so far)
+
+
+def _call_kind(operation: str, width: int):
+    """(the kind the product after this call of operation took on an earlier pass, or None;
+    learn(kind), which records the kind it takes on this pass)."""
+    key = (operation, _CALLS[operation], width)
+    _CALLS[operation] += 1
+    return _CALL_KINDS.get(key), functools.partial(_CALL_KINDS.__setitem__, key)
 
 
 def _activation_buffers(T: int, K: int, kind: int) -> QActivations:
@@ -184,10 +215,9 @@ def _quantize(x, kind: int):
         if done[2].kind == kind:
             return done[2]
         done[1](kind)  # quantized in its launch for another kind: learn this one
-    for produced in (_NORMED_BY, _GLU_BY):  # the next pass quantizes in the norm's or GLU's launch
-        made = produced.get(id(x))
-        if made is not None and made[0] is x:
-            made[1](kind)
+    made = _AWAITING.get(id(x))
+    if made is not None and made[0] is x:  # the next pass quantizes in the launch that made x
+        made[1](kind)
     return quantize(x, kind, _activation_buffers(*x.shape, kind))
 
 
@@ -251,30 +281,63 @@ def _products(weights, x) -> list:
 
 def linear(w, x):
     """out (T, N) = x (T, K) @ W.T, activations quantized as llama.cpp pairs them with W."""
+    _settle_adds()
     return _apply(w, x, _quantize(x, w.kind))
 
 
 def linear2(w1, w2, x):
+    _settle_adds()
     return tuple(_products((w1, w2), x))
 
 
 def linear3(w1, w2, w3, x):
+    _settle_adds()
     return tuple(_products((w1, w2, w3), x))
+
+
+# ---- residual adds -----------------------------------------------------------------------
+#
+# add(x, y) launches nothing by itself: the sum is left pending, and the norm the layer takes
+# of it next (the feed-forward norm, the next layer's attention norm, the output norm) adds it
+# in its own launch, row by row before normalizing it. Every other operation launches the
+# pending add first (_settle_adds), so no kernel reads a sum not yet computed. A pending add
+# may outlive its layer (the layer's output, kept for the next): recycle keeps its operands'
+# buffers; an add whose sum nobody keeps is dropped.
+
+_PENDING_ADDS: list[tuple] = []  # (y, x): y is to become x + y (at most one at a time)
+
+
+def _settle_adds() -> None:
+    """Launch the pending adds (before an operation reads their operands or sums)."""
+    while _PENDING_ADDS:
+        y, x = _PENDING_ADDS.pop()
+        add_inplace(y, x)
+
+
+def _pending_residual(x):
+    """The residual of x when x is a pending add's sum (then taken over by the caller), else
+    None with every pending add launched."""
+    if _PENDING_ADDS and _PENDING_ADDS[-1][0] is x:
+        return _PENDING_ADDS.pop()[1]
+    _settle_adds()
+    return None
 
 
 # ---- norms, attention, element-wise ------------------------------------------------------
 
 def norm(x, weight, eps):
     """rmsnorm(x) * weight over the last axis: x (R, W) -> new (R, W); quantized in the same
-    launch when a product has quantized this norm's output before."""
+    launch when a product has quantized this norm's output before, and x's pending add
+    computed there too."""
+    res = _pending_residual(x)
     out = POOL.take(x.shape)
     learned = _NORM_KINDS.get(id(weight))
     kind = learned[1] if learned is not None and learned[0]() is weight else None
     learn = functools.partial(_learn_norm_kind, weight)
     if kind is None:
-        _NORMED_BY[id(out)] = (out, learn)
-        return rmsnorm(x, weight, eps, out)
-    act = rmsnorm_quantize(x, weight, eps, kind, out, _activation_buffers(*x.shape, kind))
+        _AWAITING[id(out)] = (out, learn)
+        return rmsnorm(x, weight, eps, out, res)
+    act = rmsnorm_quantize(x, weight, eps, kind, out, _activation_buffers(*x.shape, kind), res)
     _QUANTIZED[id(out)] = (out, learn, act)
     return out
 
@@ -298,21 +361,39 @@ def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, s
     fold q_scale into the score scale: that path rounds q to f16 before the dot products, and
     f16(q * s) * (dot scale) == f16(q) * (s * dot scale) exactly when s is a power of two
     (Gemma 3's 1/sqrt(256)); otherwise the two differ by one f16 rounding of q."""
+    _settle_adds()
     cos_t, sin_t = rope_table
     rope_store_kv(q, k, v, positions, kv.slots, n_heads, rope_dims, cos_t, sin_t, neox, kv.k, kv.v, kv.kv_pos)
     out = POOL.take((q.shape[0], n_heads * head_dim))
+    act = _attention_quantized(out, head_dim, kv.paging is not None)
     if kv.paging is not None:  # the scheduler's rows: each as a lone query over its sequence's cells
         p = kv.paging
         return attention_rows(q, positions, p.row_seq, p.tables, p.shift, p.n_slots, kv.k, kv.v, kv.kv_pos, window,
-                              kq_scale, softcap, n_heads, out, q_scale, take=POOL.take, n_keep=kv.n_keep)
+                              kq_scale, softcap, n_heads, out, q_scale, take=POOL.take, n_keep=kv.n_keep, act=act)
     return attention(q, positions, kv.k, kv.v, kv.kv_pos, kv.n_keep, window, kq_scale, softcap, n_heads, out,
-                     q_scale, take=POOL.take)
+                     q_scale, take=POOL.take, act=act)
+
+
+def _attention_quantized(out, head_dim: int, rows: bool) -> QActivations | None:
+    """The buffers attention quantizes its output `out` into, in its own launch, for the kind
+    the product after it took on an earlier pass (None where it cannot: then that product
+    quantizes it)."""
+    T, width = out.shape
+    kind, learn = _call_kind("attention", width)
+    if kind is None or not quantizes_output(T, head_dim, kind, rows):
+        _AWAITING[id(out)] = (out, learn)
+        return None
+    act = _activation_buffers(T, width, kind)
+    _QUANTIZED[id(out)] = (out, learn, act)
+    return act
 
 
 def add_bias(x, bias):
     """x (T, N) + bias (N,) into x (a temporary); an empty bias: x as it is."""
     if bias.size == 0:
         return x
+    _settle_adds()
+    _QUANTIZED.pop(id(x), None)  # (x changes: a quantization of it made before is stale)
     launch(add_rows_kernel, *_launch(x.size), x, bias)
     return x
 
@@ -321,13 +402,20 @@ def scaled(x, s):
     """x * s into x (a temporary); s == 1: x as it is."""
     if s == 1:
         return x
+    _settle_adds()
+    _QUANTIZED.pop(id(x), None)
     launch(scale_kernel, *_launch(x.size), x, np.float32(s))
     return x
 
 
 def add(x, y):
-    """x + y, computed into y (x is left as it was)."""
-    return add_inplace(y, x)
+    """x + y, computed into y (x is left as it was): by the norm taken of it next, where that
+    comes first (see _PENDING_ADDS)."""
+    _settle_adds()
+    if x.shape != y.shape:
+        raise ValueError(f"adding arrays of shapes {x.shape} and {y.shape}")
+    _PENDING_ADDS.append((y, x))
+    return y
 
 
 def swiglu(gate, up):
@@ -341,13 +429,11 @@ def geglu(gate, up):
 def _glu(gate, up, glu: int):
     """silu(gate) * up or gelu(gate) * up into a new buffer, quantized in the same launch for
     the kind the product after this call took on an earlier pass."""
-    key = (_GLU_CALLS[0], gate.shape[1])
-    _GLU_CALLS[0] += 1
+    _settle_adds()
+    kind, learn = _call_kind("glu", gate.shape[1])
     out = POOL.take(gate.shape)
-    kind = _GLU_KINDS.get(key)
-    learn = functools.partial(_GLU_KINDS.__setitem__, key)
     if kind is None:
-        _GLU_BY[id(out)] = (out, learn)
+        _AWAITING[id(out)] = (out, learn)
         return (swiglu_into if glu == GLU_SILU else geglu_into)(gate, up, out)
     _QUANTIZED[id(out)] = (out, learn, glu_quantize(gate, up, glu, kind, out, _activation_buffers(*gate.shape, kind)))
     return out

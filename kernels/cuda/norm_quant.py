@@ -25,7 +25,7 @@ from .registry import device, kernel
 MAX_GROUPS32 = 1024  # rows up to K = 32768 values
 MAX_K = MAX_GROUPS32 * 32
 
-_QUANT_OUT = "int32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1]"
+QUANT_OUT_SIG = "int32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1], float32[:, ::1]"
 
 
 @device
@@ -74,38 +74,62 @@ def quantize_row(src, t, kind, words, d16, s16, d32, s32, amax_sh, vmax_sh):
     tid = cuda.threadIdx.x
     n_threads = cuda.blockDim.x
     n_groups = src.shape[1] // 32
+    if kind != KIND_Q8_K:
+        for g in range(tid, n_groups, n_threads):
+            quantize_group32(src, t, g, kind, words, d16, s16, d32, s32)
+        return
     for g in range(tid, n_groups, n_threads):
         amax, vmax = _group_extreme(src, t, g)
         amax_sh[g] = amax
         vmax_sh[g] = vmax
     cuda.syncthreads()
     for g in range(tid, n_groups, n_threads):
-        if kind == KIND_Q8_K:
-            amax = np.float32(0.0)
-            vmax = np.float32(0.0)
-            for j in range(g - g % 8, g - g % 8 + 8):  # first max over the 256-block, as the CPU
-                if amax_sh[j] > amax:
-                    amax = amax_sh[j]
-                    vmax = vmax_sh[j]
-            mult = np.float32(-127.0) / vmax if amax != 0 else np.float32(0.0)
-            d = np.float32(1.0) / mult if amax != 0 else np.float32(0.0)
-            d_stored = d
-        else:
-            amax = amax_sh[g]
-            d = amax / np.float32(127.0)
-            mult = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
-            d_stored = f16_round(d)
-        sum_lo, sum_hi = _quantize_group(src, t, g, mult, kind == KIND_Q8_K, words)
-        total = np.float32(sum_lo + sum_hi)
-        d32[t, g] = d_stored
-        if kind == KIND_Q8_1:
-            s32[t, g] = f16_round(d * total)
-        else:
-            s32[t, g] = d_stored * total
-        d16[t, 2 * g] = d_stored
-        d16[t, 2 * g + 1] = d_stored
-        s16[t, 2 * g] = d_stored * np.float32(sum_lo)
-        s16[t, 2 * g + 1] = d_stored * np.float32(sum_hi)
+        amax = np.float32(0.0)
+        vmax = np.float32(0.0)
+        for j in range(g - g % 8, g - g % 8 + 8):  # first max over the 256-block, as the CPU
+            if amax_sh[j] > amax:
+                amax = amax_sh[j]
+                vmax = vmax_sh[j]
+        mult = np.float32(-127.0) / vmax if amax != 0 else np.float32(0.0)
+        d = np.float32(1.0) / mult if amax != 0 else np.float32(0.0)
+        sum_lo, sum_hi = _quantize_group(src, t, g, mult, True, words)
+        _store_scales(t, g, kind, d, d, sum_lo, sum_hi, d16, s16, d32, s32)
+
+
+@device
+def quantize_group32(src, t, g, kind, words, d16, s16, d32, s32):
+    """Quantize the 32-group g of row t of src for KIND_Q8_0 or KIND_Q8_1 (a group's scale is
+    its own: any thread may take any group)."""
+    amax, _ = _group_extreme(src, t, g)
+    d = amax / np.float32(127.0)
+    mult = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
+    sum_lo, sum_hi = _quantize_group(src, t, g, mult, False, words)
+    _store_scales(t, g, kind, d, f16_round(d), sum_lo, sum_hi, d16, s16, d32, s32)
+
+
+@device
+def _store_scales(t, g, kind, d, d_stored, sum_lo, sum_hi, d16, s16, d32, s32):
+    """Group g's scales from its scale d (stored as d_stored) and its halves' code sums."""
+    total = np.float32(sum_lo + sum_hi)
+    d32[t, g] = d_stored
+    if kind == KIND_Q8_1:
+        s32[t, g] = f16_round(d * total)
+    else:
+        s32[t, g] = d_stored * total
+    d16[t, 2 * g] = d_stored
+    d16[t, 2 * g + 1] = d_stored
+    s16[t, 2 * g] = d_stored * np.float32(sum_lo)
+    s16[t, 2 * g + 1] = d_stored * np.float32(sum_hi)
+
+
+@device
+def _take_residual(x, t, res, has_res):
+    """x[t] = res[t] + x[t] where has_res (the residual add a norm's launch takes over, as
+    layers.add computes it); the row is the block's to read after."""
+    if has_res:
+        for j in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+            x[t, j] = res[t, j] + x[t, j]
+        cuda.syncthreads()
 
 
 @device
@@ -115,14 +139,19 @@ def _normalize_row(x, t, weight, eps, out, red_sh):
         out[t, j] = (x[t, j] * inv) * weight[j]
 
 
-@kernel("void(float32[:, ::1], float32[::1], float32, float32[:, ::1])")
-def rmsnorm_kernel(x, weight, eps, out):
-    """out (R, W) = x / rms(x) * weight per row; grid R blocks (R = T, or T * heads for head norms)."""
+_RESIDUAL = "float32[:, ::1], boolean"  # res, has_res: x += res first where has_res (else res unread)
+
+
+@kernel(f"void(float32[:, ::1], {_RESIDUAL}, float32[::1], float32, float32[:, ::1])")
+def rmsnorm_kernel(x, res, has_res, weight, eps, out):
+    """out (R, W) = x / rms(x) * weight per row, x = res + x first where has_res; grid R blocks
+    (R = T, or T * heads for head norms)."""
     red_sh = cuda.shared.array(MAX_THREADS, np.float64)
+    _take_residual(x, cuda.blockIdx.x, res, has_res)
     _normalize_row(x, cuda.blockIdx.x, weight, eps, out, red_sh)
 
 
-@kernel(f"void(float32[:, ::1], int64, {_QUANT_OUT})")
+@kernel(f"void(float32[:, ::1], int64, {QUANT_OUT_SIG})")
 def quantize_kernel(x, kind, words, d16, s16, d32, s32):
     """Quantize x (T, K); grid T blocks."""
     amax_sh = cuda.shared.array(MAX_GROUPS32, np.float32)
@@ -130,13 +159,15 @@ def quantize_kernel(x, kind, words, d16, s16, d32, s32):
     quantize_row(x, cuda.blockIdx.x, kind, words, d16, s16, d32, s32, amax_sh, vmax_sh)
 
 
-@kernel(f"void(float32[:, ::1], float32[::1], float32, int64, float32[:, ::1], {_QUANT_OUT})")
-def rmsnorm_quantize_kernel(x, weight, eps, kind, out, words, d16, s16, d32, s32):
-    """out = rmsnorm(x) * weight, then out quantized (one launch); grid T blocks."""
+@kernel(f"void(float32[:, ::1], {_RESIDUAL}, float32[::1], float32, int64, float32[:, ::1], {QUANT_OUT_SIG})")
+def rmsnorm_quantize_kernel(x, res, has_res, weight, eps, kind, out, words, d16, s16, d32, s32):
+    """out = rmsnorm(x) * weight, then out quantized (one launch), x = res + x first where
+    has_res; grid T blocks."""
     red_sh = cuda.shared.array(MAX_THREADS, np.float64)
     amax_sh = cuda.shared.array(MAX_GROUPS32, np.float32)
     vmax_sh = cuda.shared.array(MAX_GROUPS32, np.float32)
     t = cuda.blockIdx.x
+    _take_residual(x, t, res, has_res)
     _normalize_row(x, t, weight, eps, out, red_sh)
     cuda.syncthreads()  # the row's normalized values, written by all threads, are read by group owners
     quantize_row(out, t, kind, words, d16, s16, d32, s32, amax_sh, vmax_sh)
@@ -145,7 +176,7 @@ def rmsnorm_quantize_kernel(x, weight, eps, kind, out, words, d16, s16, d32, s32
 GLU_SILU, GLU_GELU = 0, 1  # glu_quantize's gate functions (SwiGLU, GeGLU)
 
 
-@kernel(f"void(float32[:, ::1], float32[:, ::1], int64, int64, float32[:, ::1], {_QUANT_OUT})")
+@kernel(f"void(float32[:, ::1], float32[:, ::1], int64, int64, float32[:, ::1], {QUANT_OUT_SIG})")
 def glu_quantize_kernel(gate, up, glu, kind, out, words, d16, s16, d32, s32):
     """out = silu(gate) * up (glu GLU_SILU) or gelu(gate) * up (GLU_GELU), then out quantized
     (one launch); grid T blocks."""
@@ -199,10 +230,12 @@ def _fits(act, n_tokens, n_cols, kind):
     return act is not None and act.shape == (n_tokens, n_cols) and act.kind == kind
 
 
-def rmsnorm(x, weight, eps: float, out):
-    """out (R, W) = rmsnorm(x) * weight on device arrays."""
+def rmsnorm(x, weight, eps: float, out, res=None):
+    """out (R, W) = rmsnorm(x) * weight on device arrays; with res (R, W), x = res + x first
+    (x is written)."""
     rows, width = x.shape
-    launch(rmsnorm_kernel, rows, pow2_threads(width, hi=MAX_THREADS), x, weight, np.float32(eps), out)
+    launch(rmsnorm_kernel, rows, pow2_threads(width, hi=MAX_THREADS), x, *_residual(x, res), weight,
+           np.float32(eps), out)
     return out
 
 
@@ -215,14 +248,25 @@ def quantize(x, kind: int, act: QActivations | None = None) -> QActivations:
     return act
 
 
-def rmsnorm_quantize(x, weight, eps: float, kind: int, out, act: QActivations | None = None) -> QActivations:
-    """out = rmsnorm(x) * weight and its quantization, in one launch."""
+def rmsnorm_quantize(x, weight, eps: float, kind: int, out, act: QActivations | None = None,
+                     res=None) -> QActivations:
+    """out = rmsnorm(x) * weight and its quantization, in one launch (x = res + x first, as
+    rmsnorm)."""
     T, K = x.shape
     if not _fits(act, T, K, kind):
         act = QActivations.empty(T, K, kind)
-    launch(rmsnorm_quantize_kernel, T, pow2_threads(K, hi=MAX_THREADS),
-           x, weight, np.float32(eps), kind, out, act.words, act.d16, act.s16, act.d32, act.s32)
+    launch(rmsnorm_quantize_kernel, T, pow2_threads(K, hi=MAX_THREADS), x, *_residual(x, res),
+           weight, np.float32(eps), kind, out, act.words, act.d16, act.s16, act.d32, act.s32)
     return act
+
+
+def _residual(x, res) -> tuple:
+    """A norm kernel's (res, has_res) arguments: x itself stands in, unread, for no residual."""
+    if res is None:
+        return x, False
+    if res.shape != x.shape:
+        raise ValueError(f"a residual of shape {res.shape} for rows of shape {x.shape}")
+    return res, True
 
 
 def glu_quantize(gate, up, glu: int, kind: int, out, act: QActivations | None = None) -> QActivations:

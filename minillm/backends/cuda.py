@@ -22,7 +22,7 @@ from ..errors import MinillmError, ModelError
 from ..kernels.cpu.matmul import KIND_IDS
 from ..kernels.cpu.unpack import dequantize
 from ..kernels.cuda import layers as cuda_layers
-from ..kernels.cuda import rmsnorm, upload_blocks, upload_float_matrix
+from ..kernels.cuda import upload_blocks, upload_float_matrix
 from ..kernels.cuda.attention import MAX_HEAD_DIM
 from ..kernels.cuda.launch import REPLAY_MODES, Replay, new_stream, recording
 from ..kernels.cuda.layers import FLOAT_KIND, DeviceKV, DeviceMatrix, DevicePaging
@@ -363,7 +363,7 @@ class CudaBackend(Backend):
         cache.device_slots = slots
         x = self.layers_from(x, tables, positions, cache.device_kv, 0, self.layers)
         cache.commit(len(ids))
-        return self.device_logits(x[logits_from:]), list(self._kept)
+        return self.device_logits(x[logits_from:] if logits_from else x), list(self._kept)
 
     def _decode_step(self, ids: np.ndarray, cache: CudaKVCache) -> np.ndarray:
         """One token: the cache's recorded step replayed with this token's inputs (recorded on
@@ -409,7 +409,7 @@ class CudaBackend(Backend):
         """Logits (T, V) of hidden states x (T, E), on the device (None for no rows)."""
         if x.shape[0] == 0:
             return None
-        xn = rmsnorm(x, self.output_norm, np.float32(self.hp.rms_eps), cuda_layers.POOL.take(x.shape))
+        xn = cuda_layers.norm(x, self.output_norm, np.float32(self.hp.rms_eps))  # (the last layer's add with it)
         return cuda_layers.linear(self.output, xn)
 
     def _logits_to_host(self, logits) -> np.ndarray:
