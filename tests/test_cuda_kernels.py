@@ -395,11 +395,12 @@ def test_attention_matches_cpu(window, softcap):
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q8_1"])
-def test_attention_quantizes_its_output_in_the_merge_launch(kind):
-    """Heads of whole 32-groups: the merge launch quantizes each head's values for the product
-    after it, as quantize() would the output; paths and kinds it cannot take are refused."""
+def test_attention_quantizes_its_output_in_its_launch(kind):
+    """Heads of whole 32-groups: the block that merges a head's runs quantizes its values for
+    the product after it, as quantize() would the output; paths and kinds it cannot take are
+    refused."""
     rng = rng_for("attention quantized", kind)
-    T, H, Hkv, D, S = 2, 4, 2, 64, 12
+    T, H, Hkv, D, S = 2, 2, 1, 32, 12
     q = rng.standard_normal((T, H * D)).astype(np.float32)
     cache = [cuda.to_device(rng.standard_normal((S, Hkv, D)).astype(np.float16)) for _ in range(2)]
     kv_pos, q_pos = cuda.to_device(np.arange(S, dtype=np.int64)), cuda.to_device(np.array([10, 11], np.int64))
@@ -416,7 +417,7 @@ def test_attention_quantizes_its_output_in_the_merge_launch(kind):
     assert not gpu_attention.quantizes_output(T, D, cpu_mm.KIND_Q8_K)
     assert not gpu_attention.quantizes_output(gpu_attention.TILE, D, KINDS[kind])
     with pytest.raises(ValueError, match="cannot quantize"):
-        gpu.attention(*args, out, act=gpu.QActivations.empty(T, H * D, cpu_mm.KIND_Q8_K))
+        gpu.attention(*args, out, act=gpu.QActivations.empty(T, 256, cpu_mm.KIND_Q8_K))
 
 
 def test_a_lone_query_over_a_long_context_splits_its_cells_as_the_cpu_does():

@@ -2,15 +2,16 @@
 with the arithmetic of minillm.kernels.cpu.attention (ggml's CPU flash_attn_ext with F16 K/V),
 whose path depends on the batch:
 
-- fewer than TILE query rows (attention_runs_kernel, then merge_runs_kernel): ggml's one chunk.
+- fewer than TILE query rows (attention_runs_kernel): ggml's one chunk.
   Q rounded to f16, f32 scores, online softmax in f32, the running V sum rounded to f16 after
   every update, keys visited in position order (the order matters to the f16 sums; position p
   sits in slot p below n_keep, else in the ring after it). A lone query over SPLIT_MIN_CELLS
   cells or more takes ggml's split path (flash-decoding): its cells cut into runs, each run one
   chunk in a thread block of its own, the runs merged in order. The CPU cuts one run per thread;
   a GPU takes enough runs to fill its multiprocessors (split_parts), so that a long context uses
-  the whole GPU. The batching scheduler's rows (attention_rows) each take this path as a lone
-  query, their cells read through block tables.
+  the whole GPU, and the last block of a head to finish merges its runs, in the same launch.
+  The batching scheduler's rows (attention_rows) each take this path as a lone query, their
+  cells read through block tables.
 - TILE query rows or more (attention_tiled_kernel): ggml's tiled path. Q in f32, each score one
   fma chain over the head's values, cells in tiles of TILE with one softmax maximum per tile,
   exp by ggml_v_expf (v_expf), the tile's sum of exps in double over SIMD-width hsums, the V
@@ -47,7 +48,9 @@ KV_PAD = 256  # llama.cpp's cells handed to attention: a multiple of this
 
 _RUNS_SIG = ("void(float32[:, ::1], int64[::1], int64[::1], int64[:, ::1], int64, int64, float16[:, :, ::1], "
              "float16[:, :, ::1], int64[::1], int64, int64, float32, float32, boolean, "
-             "float32[:, :, :, ::1], float32[:, :, ::1], float32[:, :, ::1])")
+             "float32[:, :, :, ::1], float32[:, :, ::1], float32[:, :, ::1], int32[:, ::1], float32[:, ::1], "
+             f"int64, {QUANT_OUT_SIG})")
+NOT_QUANTIZED = -1  # attention_runs_kernel's kind when the product after it quantizes the output itself
 
 
 @device
@@ -82,8 +85,9 @@ def _run_cells(pos, part, parts):
 
 @kernel(_RUNS_SIG)
 def attention_runs_kernel(q, q_pos, row_seq, tables, shift, n_slots, kcache, vcache, kv_pos, n_keep, window, scale,
-                          softcap, split, acc, m_out, s_out):
-    """ggml's one chunk over one run of row t's cells, for head h: grid (H, T, P), block (n,)
+                          softcap, split, acc, m_out, s_out, done, out, kind, words, d16, s16, d32, s32):
+    """ggml's one chunk over one run of row t's cells, for head h, then (by the last of the P
+    blocks of (t, h) to finish) the runs merged into out (_merge_runs): grid (H, T, P), block (n,)
     with n <= MAX_THREADS; (h, t, part) = blockIdx. Row t at position q_pos[t] sees the cells
     of its own cache (row_seq empty: the cache's n_slots slots are its rows) or of its sequence
     row_seq[t] in a shared pool (each slot's row through tables[seq], blocks of 2^shift rows).
@@ -92,8 +96,12 @@ def attention_runs_kernel(q, q_pos, row_seq, tables, shift, n_slots, kcache, vca
     q (T, H*D) float32; kcache/vcache (rows, Hkv, D) float16; kv_pos (rows,) the position each
     row holds (-1: none); window 0: unlimited, else a key at p is visible from i when
     0 <= i - p < window; softcap (0: none): scores capped at softcap * tanh(score / softcap),
-    scale already divided. Results: acc (T, P, H, D) the run's unnormalized V sum (f16 values),
-    m_out and s_out (T, P, H) its running max and sum (s 0: an empty run).
+    scale already divided. Each run's results: acc (T, H, >= P, D) its unnormalized V sum (f16
+    values), m_out and s_out (T, H, >= P) its running max and sum (s 0: an empty run), padded so
+    that no cache line holds two (t, h)'s results (_run_results). done (T, H)
+    int32: zeros, counting (t, h)'s finished blocks during the launch and zero again after it.
+    out (T, H*D): the merged rows; unless kind is NOT_QUANTIZED, also quantized for kind (Q8_0
+    or Q8_1, a head being whole 32-groups: norm_quant's layout) into words, d16, s16, d32, s32.
 
     The run's keys are taken in chunks of blockDim.x, in position order (the order matters to
     the f16 sums): each thread scores one key of the chunk into shared memory, then each thread,
@@ -165,47 +173,56 @@ def attention_runs_kernel(q, q_pos, row_seq, tables, shift, n_slots, kcache, vca
         cuda.syncthreads()  # score_sh is refilled by the next chunk
         c0 += chunk
     for d in range(tid, D, chunk):
-        acc[t, part, h, d] = acc_sh[d]
+        acc[t, h, part, d] = acc_sh[d]
     if tid == 0:
-        m_out[t, part, h] = m
-        s_out[t, part, h] = s_sum
+        m_out[t, h, part] = m
+        s_out[t, h, part] = s_sum
+    _merge_if_last(acc, m_out, s_out, done, out, kind, words, d16, s16, d32, s32, h, t)
 
 
-NOT_QUANTIZED = -1  # merge_runs_kernel's kind when the product after it quantizes the output itself
-
-
-@kernel(f"void(float32[:, :, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1], int64, {QUANT_OUT_SIG})")
-def merge_runs_kernel(acc, m, s_sum, out, kind, words, d16, s16, d32, s32):
-    """out[t, h*D:(h+1)*D] from the runs of attention_runs_kernel (acc (T, P, H, D), m and s_sum
-    (T, P, H)), merged in order as ggml_flash_attn_ext_reduce_partials (empty runs left out).
-    A row of one run comes out as ggml's one chunk normalizes it: fma(0, 0, acc * 1) is acc.
-    Then, unless kind is NOT_QUANTIZED, the head's 32-groups of out quantized for kind (Q8_0 or
-    Q8_1: norm_quant's layout) for the product that reads them. Grid (H, T), block (n,):
-    threads over D."""
-    h = cuda.blockIdx.x
-    t = cuda.blockIdx.y
-    _merge_head(acc, m, s_sum, out, h, t)
+@device
+def _merge_if_last(acc, m, s_sum, done, out, kind, words, d16, s16, d32, s32, h, t):
+    """The block that finishes (t, h)'s runs last merges them into out (and quantizes it): each
+    block makes its results visible device-wide, then counts itself in done[t, h]; the one that
+    counts last reads every run's, and sets the count back to zero for the next launch. No block
+    reads a line of (t, h)'s results before they are all written (they share no line with other
+    heads' or rows'), so none is stale in the merging block's L1 cache."""
+    last_sh = cuda.shared.array(1, np.int32)
+    cuda.threadfence()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        last_sh[0] = cuda.atomic.add(done, (t, h), 1) == cuda.gridDim.z - 1
+    cuda.syncthreads()
+    if last_sh[0] == 0:
+        return
+    if cuda.threadIdx.x == 0:
+        done[t, h] = 0
+    _merge_runs(acc, m, s_sum, out, h, t)
     if kind != NOT_QUANTIZED:
         cuda.syncthreads()  # the head's values, written by all threads, are read by group owners
-        groups = acc.shape[3] // 32
+        groups = acc.shape[3] // 32  # (D // 32)
         for g in range(cuda.threadIdx.x, groups, cuda.blockDim.x):
             quantize_group32(out, t, h * groups + g, kind, words, d16, s16, d32, s32)
 
 
 @device
-def _merge_head(acc, m, s_sum, out, h, t):
+def _merge_runs(acc, m, s_sum, out, h, t):
+    """out[t, h*D:(h+1)*D] from the P = gridDim.z runs (acc (T, H, >= P, D), m and s_sum
+    (T, H, >= P)), merged in order as ggml_flash_attn_ext_reduce_partials (empty runs left
+    out). A row of one run comes out as ggml's one chunk normalizes it: fma(0, 0, acc * 1) is
+    acc. Threads over D."""
     for d in range(cuda.threadIdx.x, acc.shape[3], cuda.blockDim.x):
         total = np.float32(0.0)
         m_all = NEG_INF
         s_all = np.float32(0.0)
-        for part in range(acc.shape[1]):
-            if s_sum[t, part, h] == 0:
+        for part in range(cuda.gridDim.z):
+            if s_sum[t, h, part] == 0:
                 continue
-            m_new = max(m_all, m[t, part, h])
+            m_new = max(m_all, m[t, h, part])
             scale_old = np.float32(math.exp(m_all - m_new))
-            scale_new = np.float32(math.exp(m[t, part, h] - m_new))
-            total = fma32(total, scale_old, acc[t, part, h, d] * scale_new)
-            s_all = fma32(s_all, scale_old, s_sum[t, part, h] * scale_new)
+            scale_new = np.float32(math.exp(m[t, h, part] - m_new))
+            total = fma32(total, scale_old, acc[t, h, part, d] * scale_new)
+            s_all = fma32(s_all, scale_old, s_sum[t, h, part] * scale_new)
             m_all = m_new
         out[t, h * acc.shape[3] + d] = total * (np.float32(1.0) / s_all) if s_all != 0 else np.float32(0.0)
 
@@ -389,23 +406,46 @@ def attention_rows(q, q_pos, row_seq, tables, shift: int, n_slots: int, kcache, 
 
 @functools.cache
 def _unread_activations() -> QActivations:
-    """merge_runs_kernel's quantization arguments when it quantizes nothing."""
+    """attention_runs_kernel's quantization arguments when it quantizes nothing."""
     return QActivations.empty(1, 32, KIND_Q8_0)
+
+
+LINE_FLOATS = 32  # a 128-byte cache line
+
+
+def _run_results(T: int, n_heads: int, parts: int, D: int, take):
+    """acc (T, H, P', D), m and s_sum (T, H, P'') for attention_runs_kernel's P runs: P' and P''
+    the least counts from P on that make each (t, h)'s results whole cache lines (buffers start
+    on a line)."""
+    acc_parts = next(p for p in range(parts, parts + LINE_FLOATS) if p * D % LINE_FLOATS == 0)
+    scalar_parts = -(-parts // LINE_FLOATS) * LINE_FLOATS
+    return take((T, n_heads, acc_parts, D)), take((T, n_heads, scalar_parts)), take((T, n_heads, scalar_parts))
+
+
+def _finished_runs(T: int, n_heads: int):
+    """attention_runs_kernel's `done` counts for T rows: zeros that every launch leaves zero,
+    the first T rows of an array kept for the process (one per power of two of rows: the
+    recorded steps replay launches that read it)."""
+    return _zero_counts(1 << max(0, T - 1).bit_length(), n_heads)[:T]
+
+
+@functools.cache
+def _zero_counts(rows: int, n_heads: int):
+    return cuda.to_device(np.zeros((rows, n_heads), np.int32))
 
 
 def _runs(q, q_pos, row_seq, tables, shift, n_slots, kcache, vcache, kv_pos, n_keep, window, scale, softcap, n_heads,
           out, split: bool, take, act):
-    """attention_runs_kernel over split_parts runs (one without split), then merge_runs_kernel
-    (quantizing out into act, where given)."""
+    """attention_runs_kernel over split_parts runs (one without split), merged into out
+    (quantized into act, where given) in the same launch."""
     T, D = q.shape[0], kcache.shape[2]
     parts = split_parts(n_heads) if split else 1
     take = take or (lambda shape: cuda.device_array(shape, np.float32))
-    acc, m, s_sum = take((T, parts, n_heads, D)), take((T, parts, n_heads)), take((T, parts, n_heads))
+    acc, m, s_sum = _run_results(T, n_heads, parts, D, take)
     threads = pow2_threads(max(D, min(n_slots, MAX_THREADS)), hi=MAX_THREADS)  # chunks of keys
+    kind, quantized = (act.kind, act) if act is not None else (NOT_QUANTIZED, _unread_activations())
     launch(attention_runs_kernel, (n_heads, T, parts), threads, q, q_pos, row_seq, tables, int(shift), int(n_slots),
            kcache, vcache, kv_pos, int(n_keep), int(window), _capped_scale(scale, softcap), np.float32(softcap),
-           bool(split), acc, m, s_sum)
-    kind, quantized = (act.kind, act) if act is not None else (NOT_QUANTIZED, _unread_activations())
-    launch(merge_runs_kernel, (n_heads, T), pow2_threads(D, hi=MAX_THREADS), acc, m, s_sum, out, kind,
+           bool(split), acc, m, s_sum, _finished_runs(T, n_heads), out, kind,
            quantized.words, quantized.d16, quantized.s16, quantized.d32, quantized.s32)
     return out
