@@ -360,21 +360,13 @@ def _counted(step):
     return result, {key: COUNTS[key] - before.get(key, 0) for key in ("launches", "allocations", "replays")}
 
 
-def _llama_q4_0(tmp_path_factory, n_layer: int):
-    """A Llama in one format (the real models' shape: one activation kind), its heads a 32-group
-    each (as the real models' are whole groups)."""
-    model = SyntheticModel("llama", "Q4_0", n_layer=n_layer, **dict(TINY, head_dim=32)).build()
-    return model.write(tmp_path_factory.mktemp("cuda_steps") / f"llama-q4_0-{n_layer}.gguf")
-
-
-@pytest.fixture(scope="module")
-def two_layer_q4_0(tmp_path_factory):
-    return _llama_q4_0(tmp_path_factory, 2)  # a layer's pending add is taken by the next one's norm
-
-
 @pytest.fixture(scope="module")
 def one_layer_q4_0(tmp_path_factory):
-    return _llama_q4_0(tmp_path_factory, 1)
+    """A one-layer Llama in one format (the real models' shape: one activation kind), its heads
+    a 32-group each (as the real models' are whole groups); its last add is taken by the output
+    norm, as a layer's by the next layer's."""
+    model = SyntheticModel("llama", "Q4_0", n_layer=1, **dict(TINY, head_dim=32)).build()
+    return model.write(tmp_path_factory.mktemp("cuda_steps") / "llama-q4_0.gguf")
 
 
 def test_a_residual_add_is_computed_before_anything_reads_it():
@@ -404,11 +396,11 @@ def test_the_pool_keeps_a_buffer_whose_rows_a_pending_add_reads():
     assert [len(buffers) for buffers in pool.free.values()] == [1]  # other's buffer only
 
 
-def test_decode_steps_replay_a_fixed_count_of_launches_and_allocate_nothing(two_layer_q4_0, monkeypatch):
+def test_decode_steps_replay_a_fixed_count_of_launches_and_allocate_nothing(one_layer_q4_0, monkeypatch):
     """The first step of a cache is recorded (the layer code runs); a later step replays it:
     the same launches, no device allocation, the same logits as the layer code and the CPU."""
     monkeypatch.setattr(cuda_layers, "BATCHED", None)
-    path = two_layer_q4_0
+    path = one_layer_q4_0
     ids = np.random.default_rng(5).integers(0, TINY["n_vocab"], 4)
     cpu = minillm.load(path)
     cpu_cache = cpu.new_cache(8)
@@ -421,8 +413,8 @@ def test_decode_steps_replay_a_fixed_count_of_launches_and_allocate_nothing(two_
     assert_logits_match(logits, cpu.eval(ids[2:3], cpu_cache))
     plan = cache.step_plan
     assert recorded["replays"] == 0 and recorded["launches"] == len(plan.replay.launches)
-    assert backend.hp.n_layer == 2
-    assert len(plan.replay.launches) == LAUNCHES_PER_LLAMA_LAYER * 2 + LAUNCHES_AFTER_THE_LAYERS
+    assert backend.hp.n_layer == 1
+    assert len(plan.replay.launches) == LAUNCHES_PER_LLAMA_LAYER + LAUNCHES_AFTER_THE_LAYERS
 
     logits, replayed = _counted(lambda: backend.forward(ids[3:4], cache, 0))
     assert replayed == {"launches": len(plan.replay.launches), "allocations": 0, "replays": 1}
