@@ -509,6 +509,24 @@ def test_rows_of_a_mixed_batch_equal_each_sequence_alone_on_the_gpu(model_files)
         assert_logits_match(rows, lone_logits(cpu, ids[:n]))
 
 
+def test_a_step_of_prompt_rows_only_launches_nothing_over_zero_rows(model_files):
+    """A scheduler step whose rows all continue prompts (no row wants logits: out_from = T)
+    gives no logits, and its last layer launches nothing over the zero rows it keeps (a grid
+    of no blocks, which CUDA refuses)."""
+    from minillm.kernels.cuda.launch import recording
+    from minillm.serving.kv_pool import KVPool
+
+    model = minillm.load(model_files["llama-small-formats"], device="cuda")
+    pool = KVPool(model.backend, n_seqs=1, n_ctx=8, n_cells=16, n_batch=4)
+    pool.assign(0, pool.blocks_needed(0, 0, 3))
+    positions = np.arange(3, dtype=np.int64)
+    kv_of = pool.batch_kv(np.zeros(3, np.int64), positions)
+    with recording() as launches:
+        logits = model.backend.forward_rows(np.array([1, 2, 3]), positions, kv_of, 3, pool.n_ctx)
+    assert logits.shape[0] == 0
+    assert launches and all(min(np.atleast_1d(item.grid)) > 0 for item in launches)
+
+
 @pytest.fixture(scope="module")
 def vocab_model(tmp_path_factory):
     """A one-layer Q4_0 Llama on the CUDA backend, with a vocabulary (the scheduler detokenizes;

@@ -44,7 +44,10 @@ class Launch:
 
 
 def launch(kernel, grid, block, *args) -> None:
-    """kernel[grid, block](*args), recorded while a recording is open."""
+    """kernel[grid, block](*args), recorded while a recording is open; nothing for a grid of no
+    blocks (work over zero rows, which CUDA refuses to launch)."""
+    if not all(grid if isinstance(grid, tuple) else (grid,)):
+        return
     COUNTS["launches"] += 1
     if _RECORDING is not None:
         _RECORDING.append(Launch(kernel, grid, block, args))

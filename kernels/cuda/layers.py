@@ -414,7 +414,8 @@ def add(x, y):
     _settle_adds()
     if x.shape != y.shape:
         raise ValueError(f"adding arrays of shapes {x.shape} and {y.shape}")
-    _PENDING_ADDS.append((y, x))
+    if y.size:  # (a pass's last layer may keep no row)
+        _PENDING_ADDS.append((y, x))
     return y
 
 
