@@ -6,19 +6,20 @@ symbols the bitcode defines. For this project's layer functions that was 0.15-0.
 start and ~30 MiB held for the life of the process, for bitcode no normal run links against.
 
 `install()` changes two methods of Numba's CPU code library: a cached library takes its
-defined symbols from the machine code's ELF symbol table, and its bitcode is parsed only if
-something links against it; and a cached library that calls the threading layer starts it. Where the hooks it relies on are missing (another Numba) or the
-machine code is not ELF (another OS), Numba's own loading runs unchanged.
+defined symbols from the machine code's ELF symbol table, its bitcode is parsed only if
+something links against it, and one whose code calls the threading layer starts the layer.
+Where the hooks it relies on are missing (another Numba) or the machine code is not ELF
+(another OS), Numba's own loading runs unchanged.
 """
 from __future__ import annotations
 
 import struct
 
-# A cached function that calls a parallel=True one (layers.quantize calls matmul's parallel
-# quantizer) calls the threading layer's entry points, but Numba starts the layer on loading
-# the parallel function's own cache entry only (numba issues 8578 and 9938): loaded first in a
-# process, such a function jumped to address 0. A cached library whose code names the layer's
-# entry point starts it before it loads.
+# A cached function that calls a parallel=True one (layers.quantize, through quantize_act, the
+# parallel quantizer) calls the threading layer's entry points, but Numba starts the layer on
+# loading the parallel function's own cache entry only (numba issues 8578 and 9938): loaded
+# first in a process, such a function jumped to address 0. A cached library whose code names
+# the layer's entry point starts it before it loads.
 _THREADING_ENTRY = b"numba_parallel_for"
 _SHT_SYMTAB = 2
 _SHN_UNDEF = 0
