@@ -28,19 +28,21 @@ print(bitcode_left_unparsed, sum(cached_mod.add_one.stats.cache_hits.values()))
 """
 
 
+def _probe(script: str, tmp_path, *args: str) -> list[str]:
+    """The words a new process running script prints (its argv: tmp_path, then args), with
+    Numba's cache in tmp_path/cache."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path), *args], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-2000:]}"
+    return out.stdout.split()
+
+
 def test_cached_kernel_loads_lazily_and_still_links(tmp_path):
     (tmp_path / "cached_mod.py").write_text(
         "import numba\n\n@numba.njit(cache=True)\ndef add_one(x):\n    return x + 1\n")
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-
-    def probe():
-        out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], capture_output=True, text=True,
-                             env=env, timeout=300)
-        assert out.returncode == 0, out.stderr
-        return out.stdout.split()
-
-    assert probe() == ["False", "0"]  # compiled and cached
-    assert probe() == ["True", "1"]   # loaded from the cache, bitcode untouched until linked
+    assert _probe(PROBE, tmp_path) == ["False", "0"]  # compiled and cached
+    assert _probe(PROBE, tmp_path) == ["True", "1"]   # loaded from the cache, bitcode untouched until linked
 
 
 def test_elf_symbols_are_the_defined_ones():
@@ -92,17 +94,9 @@ def test_a_cached_function_calling_a_parallel_one_loads_first_in_a_process(tmp_p
         "@numba.njit(parallel=True, cache=True)\ndef inner(x):\n    return np.zeros(x.size) + x.sum()\n\n"
         "@numba.njit(cache=True)\ndef middle(x):\n    return inner(x)\n\n"
         "@numba.njit(cache=True)\ndef outer(x):\n    return middle(x) + 1\n")
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-
-    def probe(function: str):
-        out = subprocess.run([sys.executable, "-c", PARALLEL_CALLEE, str(tmp_path), function], capture_output=True,
-                             text=True, env=env, timeout=300)
-        assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-2000:]}"
-        return out.stdout.split()
-
-    assert probe("middle") == ["28.0", "0"]  # compiled and cached
-    assert probe("outer") == ["29.0", "0"]   # compiled, middle loaded from the cache
-    assert probe("outer") == ["29.0", "1"]   # loaded from the cache, first in its process
+    assert _probe(PARALLEL_CALLEE, tmp_path, "middle") == ["28.0", "0"]  # compiled and cached
+    assert _probe(PARALLEL_CALLEE, tmp_path, "outer") == ["29.0", "0"]   # compiled, middle loaded from the cache
+    assert _probe(PARALLEL_CALLEE, tmp_path, "outer") == ["29.0", "1"]   # loaded from the cache, first in its process
 
 
 def test_cached_kernels_are_keyed_to_every_source_compiled_code_comes_from(monkeypatch):

@@ -162,9 +162,9 @@ def using_pool(pool: BufferPool):
 
 def recycle(keep=()) -> None:
     """Every buffer the operations handed out is free again, but the arrays in keep (and the
-    operands of a pending add whose sum is kept)."""
+    residual of a pending add whose sum is kept: a view the layer code may have made)."""
     _PENDING_ADDS[:] = [(y, x) for y, x in _PENDING_ADDS if any(y is k for k in keep)]
-    POOL.recycle(keep, keep_memory=[a for pair in _PENDING_ADDS for a in pair])
+    POOL.recycle(keep, keep_memory=[x for _, x in _PENDING_ADDS])
     _QUANTIZED.clear()
     _AWAITING.clear()
     _CALLS.clear()
@@ -176,8 +176,8 @@ def recycle(keep=()) -> None:
 #  - a norm whose output the next product quantizes quantizes it in the same launch
 #    (rmsnorm_quantize): the kind each norm's weight is followed by is learned on the first
 #    pass (_NORM_KINDS), and the quantized rows wait in _QUANTIZED for the product that reads them;
-#  - so do a SwiGLU or GeGLU (glu_quantize) and attention (its merge kernel, for the 32-group
-#    kinds), their kinds learned per call of the layer (the n-th GLU of a layer, at its width:
+#  - so do a SwiGLU or GeGLU (glu_quantize) and attention (the block that merges a head's runs,
+#    for the 32-group kinds), their kinds learned per call of the layer (the n-th GLU of a layer, at its width:
 #    _CALL_KINDS). A product that wants another kind than the one learned quantizes the output
 #    again and learns the new kind: never wrong, and one launch more only where the kinds
 #    alternate;
