@@ -343,7 +343,7 @@ def test_a_toolchain_that_cannot_compile_is_one_clear_error(model_files, monkeyp
 # decode steps: recorded once per cache, replayed without the layer code
 # ---------------------------------------------------------------------------------------------
 from minillm.backends import cuda as cuda_backend_module  # noqa: E402
-from minillm.kernels.cuda.launch import COUNTS, Replay  # noqa: E402
+from minillm.kernels.cuda.launch import COUNTS, Replay, kernel_param  # noqa: E402
 
 # a Llama layer's decode step: (the last add +) norm + quantize, q/k/v stacked, RoPE + store,
 # attention (its runs, merged and quantized by the last), o, add + norm + quantize, gate/up
@@ -452,6 +452,41 @@ def test_replay_modes_are_checked(model_files, monkeypatch):
     monkeypatch.setattr(cuda_backend_module, "REPLAY", "fast")
     with pytest.raises(minillm.MinillmError, match="MINILLM_CUDA_REPLAY='fast'"):
         cuda_backend(model_files["llama-small-formats"])
+
+
+def _cuda_core_param_holder():
+    """cuda.core's packer of kernel arguments (what numba-cuda's own launch goes through)."""
+    import importlib
+
+    for name in ("cuda.core._kernel_arg_handler", "cuda.core.experimental._kernel_arg_handler"):
+        try:
+            return importlib.import_module(name).ParamHolder
+        except ImportError:
+            continue
+    pytest.fail("cuda.core's ParamHolder is not where numba-cuda 0.30's cuda.core keeps it")
+
+
+def test_prepared_launches_pack_arguments_as_cuda_core_does():
+    """A prepared replay (and the graph captured from it) hands the driver numba-cuda's marshalled
+    arguments itself, so they must be the bytes numba-cuda's own launch gives the kernel through
+    cuda.core. _prepare_args leaves an array's meminfo, parent, size, itemsize, pointer, shape and
+    strides as Python ints (intptr_t) and a boolean as a Python bool; the rest are ctypes scalars."""
+    import ctypes
+
+    marshalled = [0, 0, 6, 4, 0x7F12_3456_7000, 2, 3, 12, -4, True, False,
+                  ctypes.c_int32(-3), ctypes.c_uint32(7), ctypes.c_int64(-2**40), ctypes.c_float(0.5),
+                  ctypes.c_double(-1.25), ctypes.c_uint16(0x3C00), ctypes.c_uint8(9)]
+    ours = [kernel_param(value) for value in marshalled]
+    holder = _cuda_core_param_holder()(marshalled)
+    theirs = (ctypes.c_void_p * len(marshalled)).from_address(holder.ptr)
+    for value, mine, address in zip(marshalled, ours, theirs):
+        if type(value) is int:
+            assert ctypes.sizeof(mine) == 8, value  # intptr_t
+        elif type(value) is bool:
+            assert ctypes.sizeof(mine) == 1, value
+        assert bytes(mine) == ctypes.string_at(address, ctypes.sizeof(mine)), value
+    with pytest.raises(TypeError, match="str"):
+        kernel_param("7")
 
 
 def test_gpu_check_compares_the_replay_modes(one_layer_q4_0):

@@ -72,6 +72,21 @@ def _dims(dims) -> tuple[int, int, int]:
     return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
 
 
+def kernel_param(value):
+    """One of numba-cuda's marshalled kernel arguments as the C value the kernel reads. Its
+    _prepare_args gives ctypes scalars, and plain Python values that cuda.core's launch packs
+    itself: ints (an array's size, itemsize, pointer, shape and strides: intptr_t) and bools."""
+    if isinstance(value, ctypes._SimpleCData):
+        return value
+    if isinstance(value, bool):
+        return ctypes.c_bool(value)
+    if isinstance(value, int):
+        return ctypes.c_ssize_t(value)
+    if isinstance(value, float):
+        return ctypes.c_double(value)
+    raise TypeError(f"a kernel argument of type {type(value).__name__} cannot be prepared")
+
+
 class _Prepared:
     """One launch with its arguments marshalled once (numba-cuda's own _prepare_args)."""
 
@@ -79,9 +94,10 @@ class _Prepared:
         dispatcher = item.kernel
         argtypes = tuple(dispatcher.typeof_pyval(a) for a in item.args)
         compiled = dispatcher.compile(argtypes)  # already compiled by the recorded launch
-        self.kernelargs = []  # ctypes values: kept alive as long as params points at them
+        marshalled = []
         for ty, value in zip(compiled.argument_types, item.args):
-            compiled._prepare_args(ty, value, 0, [], self.kernelargs)
+            compiled._prepare_args(ty, value, 0, [], marshalled)
+        self.kernelargs = [kernel_param(v) for v in marshalled]  # alive as long as params points at them
         self.params = (ctypes.c_void_p * len(self.kernelargs))(*[ctypes.addressof(a) for a in self.kernelargs])
         self.handle = compiled._codelibrary.get_cufunc().handle
         self.grid, self.block = _dims(item.grid), _dims(item.block)
