@@ -63,12 +63,16 @@ def install_cpu() -> bool:
 
 
 def install_cuda() -> bool:
-    """Stamp this package's cached CUDA kernels with source_digest(CUDA_SOURCES) (once): every
-    locator numba-cuda's cache tries; False where this numba-cuda lacks them."""
+    """Stamp this package's cached CUDA kernels with source_digest(CUDA_SOURCES) and the ggml
+    build they compute as (once): every locator numba-cuda's cache tries; False where this
+    numba-cuda lacks them. (The CUDA kernels sum as the host CPU's ggml build does, and a cache
+    can move between hosts, where Numba's CPU cache is kept per CPU.)"""
     try:
         from numba.cuda.core.caching import CacheImpl
     except ImportError:
         return False
+    from .cpu.target import GGML_AVX512
+
     classes = [cls for cls in CacheImpl._locator_classes if "_minillm_digest" not in vars(cls)]
-    _stamp(classes, source_digest(CUDA_SOURCES))
+    _stamp(classes, source_digest(CUDA_SOURCES) + ("-avx512" if GGML_AVX512 else "-avx2"))
     return True

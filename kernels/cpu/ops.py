@@ -12,7 +12,7 @@ import numpy as np
 from .f16 import f16_bits, f16_round, float32_bits, float32_from_bits
 from .fma import fma
 from .simd import swiglu_16
-from .target import FEATURES
+from .target import GGML_AVX512, GGML_AVX512_BF16, SIMD_WIDTH  # noqa: F401 (imported from here)
 from .unpack import F16_TO_F32
 
 _PAR = dict(parallel=True, cache=True, nogil=True)
@@ -168,13 +168,6 @@ _EXP_C4 = np.float32(float.fromhex("0x1.573e2ep-5"))
 _EXP_C5 = np.float32(float.fromhex("0x1.0e4020p-7"))
 
 
-# ggml's vector code follows the CPU it is built for: AVX-512 (16 lanes, its own ggml_v_expf)
-# or AVX2 (8 lanes, another ggml_v_expf that rounds differently). minillm computes as llama.cpp
-# built for this CPU does (target.py). (Numba's cache is kept per CPU and features: these
-# constants match cached code.)
-GGML_AVX512 = FEATURES.get("avx512f", False) and FEATURES.get("avx512dq", False)
-SIMD_WIDTH = 16 if GGML_AVX512 else 8  # float32 lanes of ggml's vector loops
-GGML_AVX512_BF16 = GGML_AVX512 and FEATURES.get("avx512bf16", False)  # BF16 products by vdpbf16ps
 
 
 def ggml_build(bf16: bool = False) -> str:

@@ -13,3 +13,11 @@ def _features() -> dict[str, bool]:
 
 
 FEATURES = _features()
+
+# ggml's vector code follows the CPU it is built for: AVX-512 (16 lanes, its own ggml_v_expf)
+# or AVX2 (8 lanes, another ggml_v_expf that rounds differently). minillm computes as llama.cpp
+# built for this CPU does, on the CPU and (to match it) on CUDA. Numba keeps its CPU cache per
+# CPU and features; the CUDA kernels' cache stamp names the build (cache_stamp.install_cuda).
+GGML_AVX512 = FEATURES.get("avx512f", False) and FEATURES.get("avx512dq", False)
+SIMD_WIDTH = 16 if GGML_AVX512 else 8  # float32 lanes of ggml's vector loops
+GGML_AVX512_BF16 = GGML_AVX512 and FEATURES.get("avx512bf16", False)  # BF16 products by vdpbf16ps
