@@ -389,9 +389,18 @@ def test_attention_matches_cpu(window, softcap):
                   np.float32(scale), np.float32(softcap), H, want)
 
     out = cuda.device_array((T, H * D), np.float32)
-    gpu.attention(cuda.to_device(q), cuda.to_device(q_pos), cuda.to_device(kc), cuda.to_device(vc),
-                  cuda.to_device(kv_pos), 0, window, scale, softcap, H, out)
+    with gpu_launch.recording() as launches:
+        gpu.attention(cuda.to_device(q), cuda.to_device(q_pos), cuda.to_device(kc), cuda.to_device(vc),
+                      cuda.to_device(kv_pos), 0, window, scale, softcap, H, out)
     np.testing.assert_allclose(to_host(out), want, rtol=2e-3, atol=2e-3)
+    assert [item.grid[:2] for item in launches] == [(T, H)]  # rows on x, which has room for any batch
+
+
+def test_a_grid_past_cudas_limits_is_refused():
+    """A GPU refuses more than 65535 blocks along y or z (the simulator runs them): launch()
+    says so rather than the driver failing mid-pass."""
+    with pytest.raises(ValueError, match="past CUDA's limits"):
+        gpu_launch.launch(importlib.import_module("minillm.kernels.cuda.ops").scale_kernel, (1, 65536), 1)
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q8_1"])
@@ -594,6 +603,19 @@ def test_every_kernel_compiles_to_ptx():
     # matvec with per-token arrays indexed by a run-time count used to take: 144 bytes)
     lines = [line for line in proc.stdout.splitlines() if "chars of PTX" in line]
     assert len(lines) == n_signatures and all(" 0 B stack" in line for line in lines), proc.stdout
+
+
+def test_ptx_that_ptxas_could_fuse_into_fma_is_refused():
+    """NVVM fuses a multiply and an add into one fma unless told not to (registry.py tells it),
+    and ptxas fuses mul.f32/add.f32 that carry no rounding modifier: either would round the
+    kernels differently from their source, the simulator and the CPU. ptx_check refuses both."""
+    from minillm.kernels.cuda.ptx_check import check_no_fusable_arithmetic
+
+    check_no_fusable_arithmetic("\tmul.rn.f32 \t%f3, %f1, %f2;\n\tadd.rn.f64 \t%fd2, %fd1, %fd1;\n"
+                                "\tfma.rn.f32 \t%f4, %f3, %f1, %f2;\n\tsub.rn.f32 \t%f5, %f4, %f1;\n", "rounded")
+    with pytest.raises(RuntimeError, match="fusable: 3 float add/mul/sub"):
+        check_no_fusable_arithmetic("\tmul.f32 \t%f3, %f1, %f2;\n\t@%p1 add.f32 \t%f4, %f3, %f1;\n"
+                                    "\tsub.f64 \t%fd3, %fd1, %fd2;\n\tadd.s32 \t%r1, %r2, %r3;\n", "fusable")
 
 
 def test_kernels_compile_where_numpy_has_no_row_stack():

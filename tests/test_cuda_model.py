@@ -327,6 +327,25 @@ def test_skipped_layers_leave_the_same_layers_out_on_both_backends(model_files):
     assert not np.array_equal(cpu.logits(ids), skipped)
 
 
+def test_caches_and_pools_are_zeroed_on_the_device(model_files, monkeypatch):
+    """A scheduler's pool takes most of the free device memory: its zeros (and a cache's) are set
+    on the device, never copied over from host memory."""
+    backend = cuda_backend(model_files["llama-small-formats"])
+    from numba import cuda
+
+    upload = cuda.to_device
+
+    def no_f16_upload(array, *args, **kwargs):
+        assert array.dtype != np.float16, "keys or values copied from host memory"
+        return upload(array, *args, **kwargs)
+
+    monkeypatch.setattr(cuda, "device_array", lambda shape, dtype: np.full(shape, np.nan, dtype))  # garbage
+    monkeypatch.setattr(cuda, "to_device", no_f16_upload)
+    arrays = [*backend.pool_arrays([48, 0], "f16"), *backend.new_cache(32).k]
+    assert [a.shape[0] for a in arrays[:2]] == [48, 0] and all(a.dtype == np.float16 for a in arrays)
+    assert all(not np.asarray(a).any() for a in arrays)
+
+
 def test_a_toolchain_that_cannot_compile_is_one_clear_error(model_files, monkeypatch):
     backend = cuda_backend(model_files["llama-small-formats"])
 
@@ -487,6 +506,47 @@ def test_prepared_launches_pack_arguments_as_cuda_core_does():
         assert bytes(mine) == ctypes.string_at(address, ctypes.sizeof(mine)), value
     with pytest.raises(TypeError, match="str"):
         kernel_param("7")
+
+
+def test_a_graph_is_captured_with_frees_held_and_freed_after(monkeypatch):
+    """Replay's capture against a stand-in driver (the simulator has none): the prepared launches
+    are captured between begin and end while numba's deferred frees are held (a free would
+    invalidate the capture), the captured graph is destroyed once instantiated, and the
+    executable one when its Replay goes."""
+    import contextlib
+    import gc
+    import types
+
+    from numba.cuda.cudadrv import driver as driver_module
+
+    from minillm.kernels.cuda import launch as launch_module
+
+    calls, holding = [], [False]
+
+    class StandInDriver:
+        def __getattr__(self, name):
+            def call(*args):
+                calls.append((name, holding[0]))
+                return {"cuStreamEndCapture": "graph", "cuGraphInstantiate": "executable"}.get(name)
+            return call
+
+    @contextlib.contextmanager
+    def held():
+        holding[0] = True
+        yield
+        holding[0] = False
+
+    monkeypatch.setattr(driver_module, "driver", StandInDriver())
+    monkeypatch.setattr(launch_module.cuda, "defer_cleanup", held, raising=False)
+    replay = Replay([], None, "direct")
+    replay.stream = types.SimpleNamespace(handle="stream")
+    replay._prepared = [types.SimpleNamespace(issue=lambda driver, handle: driver.cuLaunchKernel(handle))] * 2
+    assert replay._capture() == "executable"
+    assert calls == [("cuStreamBeginCapture", True), ("cuLaunchKernel", True), ("cuLaunchKernel", True),
+                     ("cuStreamEndCapture", True), ("cuGraphInstantiate", False), ("cuGraphDestroy", False)]
+    del replay
+    gc.collect()
+    assert calls[-1] == ("cuGraphExecDestroy", False)
 
 
 def test_gpu_check_compares_the_replay_modes(one_layer_q4_0):

@@ -87,8 +87,8 @@ def _run_cells(pos, part, parts):
 def attention_runs_kernel(q, q_pos, row_seq, tables, shift, n_slots, kcache, vcache, kv_pos, n_keep, window, scale,
                           softcap, split, acc, m_out, s_out, done, out, kind, words, d16, s16, d32, s32):
     """ggml's one chunk over one run of row t's cells, for head h, then (by the last of the P
-    blocks of (t, h) to finish) the runs merged into out (_merge_runs): grid (H, T, P), block (n,)
-    with n <= MAX_THREADS; (h, t, part) = blockIdx. Row t at position q_pos[t] sees the cells
+    blocks of (t, h) to finish) the runs merged into out (_merge_runs): grid (T, H, P), block (n,)
+    with n <= MAX_THREADS; (t, h, part) = blockIdx (rows on x, which has room for any batch). Row t at position q_pos[t] sees the cells
     of its own cache (row_seq empty: the cache's n_slots slots are its rows) or of its sequence
     row_seq[t] in a shared pool (each slot's row through tables[seq], blocks of 2^shift rows).
     With `split`, a row over SPLIT_MIN_CELLS padded cells or more is cut into P runs (one per
@@ -111,14 +111,14 @@ def attention_runs_kernel(q, q_pos, row_seq, tables, shift, n_slots, kcache, vca
     acc_sh = cuda.shared.array(MAX_HEAD_DIM, np.float32)   # (D,) running V sum (f16 values)
     score_sh = cuda.shared.array(MAX_THREADS, np.float32)  # (chunk,) scores of the chunk's keys
     row_sh = cuda.shared.array(MAX_THREADS, np.int64)      # (chunk,) their cache rows
-    h = cuda.blockIdx.x
-    t = cuda.blockIdx.y
+    t = cuda.blockIdx.x
+    h = cuda.blockIdx.y
     part = cuda.blockIdx.z
     tid = cuda.threadIdx.x
     chunk = cuda.blockDim.x
     n_kv_heads = kcache.shape[1]
     D = kcache.shape[2]
-    kvh = h // (cuda.gridDim.x // n_kv_heads)
+    kvh = h // (cuda.gridDim.y // n_kv_heads)
     pos = q_pos[t]
     parts = cuda.gridDim.z if split and _run_cells(pos, 0, 1)[1] >= SPLIT_MIN_CELLS else 1
     first, last = _run_cells(pos, part, parts) if part < parts else (0, 0)
@@ -183,10 +183,11 @@ def attention_runs_kernel(q, q_pos, row_seq, tables, shift, n_slots, kcache, vca
 @device
 def _merge_if_last(acc, m, s_sum, done, out, kind, words, d16, s16, d32, s32, h, t):
     """The block that finishes (t, h)'s runs last merges them into out (and quantizes it): each
-    block makes its results visible device-wide, then counts itself in done[t, h]; the one that
-    counts last reads every run's, and sets the count back to zero for the next launch. No block
-    reads a line of (t, h)'s results before they are all written (they share no line with other
-    heads' or rows'), so none is stale in the merging block's L1 cache."""
+    block makes its results visible device-wide (a fence before its count), then counts itself
+    in done[t, h]; the one that counts last fences again before it reads every run's (the
+    acquire side of the count, as the PTX memory model asks), and sets the count back to zero
+    for the next launch. (t, h)'s results share no 128-byte line
+    with other heads' or rows', so no block reads them before they are all written."""
     last_sh = cuda.shared.array(1, np.int32)
     cuda.threadfence()
     cuda.syncthreads()
@@ -195,6 +196,7 @@ def _merge_if_last(acc, m, s_sum, done, out, kind, words, d16, s16, d32, s32, h,
     cuda.syncthreads()
     if last_sh[0] == 0:
         return
+    cuda.threadfence()
     if cuda.threadIdx.x == 0:
         done[t, h] = 0
     _merge_runs(acc, m, s_sum, out, h, t)
@@ -260,19 +262,19 @@ def v_expf(x):
 
 @kernel(_TILED_SIG)
 def attention_tiled_kernel(q, q_pos, kcache, vcache, kv_pos, n_keep, window, q_scale, scale, softcap, out):
-    """The tiled path (module doc) for row t = blockIdx.y of q (T, H*D) (times q_scale, as the CPU
-    layer scales q) and head h = blockIdx.x; other arguments as attention_runs_kernel's. Block (TILE,):
+    """The tiled path (module doc) for row t = blockIdx.x of q (T, H*D) (times q_scale, as the CPU
+    layer scales q) and head h = blockIdx.y; other arguments as attention_runs_kernel's. Block (TILE,):
     thread i scores cell c0 + i of each tile, then sums values i, i + TILE, ... of the head."""
     q_sh = cuda.shared.array(MAX_HEAD_DIM, np.float32)   # (D,) the query
     acc_sh = cuda.shared.array(MAX_HEAD_DIM, np.float32)  # (D,) the unnormalized V sum
     p_sh = cuda.shared.array(TILE, np.float32)           # (TILE,) the tile's scores, then exps
     slot_sh = cuda.shared.array(TILE, np.int64)          # (TILE,) each cell's slot, -1 if not held
-    h = cuda.blockIdx.x
-    t = cuda.blockIdx.y
+    t = cuda.blockIdx.x
+    h = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     n_kv_heads = kcache.shape[1]
     D = kcache.shape[2]
-    kvh = h // (cuda.gridDim.x // n_kv_heads)
+    kvh = h // (cuda.gridDim.y // n_kv_heads)
     for d in range(tid, D, TILE):
         q_sh[d] = q[t, h * D + d] * q_scale  # times 1: exact
         acc_sh[d] = np.float32(0.0)
@@ -381,7 +383,7 @@ def attention(q, q_pos, kcache, vcache, kv_pos, n_keep: int, window: int, scale:
     if act is not None and not quantizes_output(T, kcache.shape[2], act.kind):
         raise ValueError(f"attention of {T} rows cannot quantize its output for kind {act.kind}")
     if T >= TILE:
-        launch(attention_tiled_kernel, (n_heads, T), TILE, q, q_pos, kcache, vcache, kv_pos, int(n_keep),
+        launch(attention_tiled_kernel, (T, n_heads), TILE, q, q_pos, kcache, vcache, kv_pos, int(n_keep),
                int(window), np.float32(q_scale), _capped_scale(scale, softcap), np.float32(softcap), out)
         return out
     row_seq, tables = _own_cache()
@@ -444,7 +446,7 @@ def _runs(q, q_pos, row_seq, tables, shift, n_slots, kcache, vcache, kv_pos, n_k
     acc, m, s_sum = _run_results(T, n_heads, parts, D, take)
     threads = pow2_threads(max(D, min(n_slots, MAX_THREADS)), hi=MAX_THREADS)  # chunks of keys
     kind, quantized = (act.kind, act) if act is not None else (NOT_QUANTIZED, _unread_activations())
-    launch(attention_runs_kernel, (n_heads, T, parts), threads, q, q_pos, row_seq, tables, int(shift), int(n_slots),
+    launch(attention_runs_kernel, (T, n_heads, parts), threads, q, q_pos, row_seq, tables, int(shift), int(n_slots),
            kcache, vcache, kv_pos, int(n_keep), int(window), _capped_scale(scale, softcap), np.float32(softcap),
            bool(split), acc, m, s_sum, _finished_runs(T, n_heads), out, kind,
            quantized.words, quantized.d16, quantized.s16, quantized.d32, quantized.s32)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 
@@ -43,11 +44,18 @@ class Launch:
     args: tuple
 
 
+GRID_LIMITS = (2**31 - 1, 65535, 65535)  # blocks along x, y, z (the kernels put rows on x)
+
+
 def launch(kernel, grid, block, *args) -> None:
     """kernel[grid, block](*args), recorded while a recording is open; nothing for a grid of no
-    blocks (work over zero rows, which CUDA refuses to launch)."""
-    if not all(grid if isinstance(grid, tuple) else (grid,)):
+    blocks (work over zero rows, which CUDA refuses to launch). A grid past GRID_LIMITS, which
+    a GPU refuses and the simulator runs, is a ValueError."""
+    dims = grid if isinstance(grid, tuple) else (grid,)
+    if not all(dims):
         return
+    if any(d > limit for d, limit in zip(dims, GRID_LIMITS)):
+        raise ValueError(f"a grid of {dims} blocks is past CUDA's limits {GRID_LIMITS}")
     COUNTS["launches"] += 1
     if _RECORDING is not None:
         _RECORDING.append(Launch(kernel, grid, block, args))
@@ -137,18 +145,28 @@ class Replay:
                 self._prepared = []
 
     def _capture(self):
-        """The prepared launches as one instantiated CUDA graph (captured, not run)."""
+        """The prepared launches as one instantiated CUDA graph (captured, not run). A device
+        free would invalidate the capture: numba's deferred frees (issued when garbage is
+        collected, which the capture's own Python can set off) wait until it ends. The captured
+        graph is destroyed once instantiated, the executable one when this Replay goes (a cache
+        copied for a beam records its own)."""
         from cuda.bindings import driver as binding
         from numba.cuda.cudadrv.driver import driver
 
         handle = self.stream.handle
-        driver.cuStreamBeginCapture(handle, binding.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        with cuda.defer_cleanup():
+            driver.cuStreamBeginCapture(handle, binding.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            try:
+                for item in self._prepared:
+                    item.issue(driver, handle)
+            finally:
+                graph = driver.cuStreamEndCapture(handle)
         try:
-            for item in self._prepared:
-                item.issue(driver, handle)
+            executable = driver.cuGraphInstantiate(graph, 0)
         finally:
-            graph = driver.cuStreamEndCapture(handle)
-        return driver.cuGraphInstantiate(graph, 0)
+            driver.cuGraphDestroy(graph)
+        weakref.finalize(self, _destroy_executable, executable).atexit = False  # the process's end frees it
+        return executable
 
     def run(self) -> None:
         COUNTS["replays"] += 1
@@ -169,6 +187,15 @@ class Replay:
                     item.kernel[item.grid, item.block](*item.args)
                 else:
                     item.kernel[item.grid, item.block, self.stream](*item.args)
+
+
+def _destroy_executable(executable) -> None:
+    from numba.cuda.cudadrv.driver import driver
+
+    try:
+        driver.cuGraphExecDestroy(executable)
+    except Exception:  # noqa: BLE001 (the context already gone: nothing left to free)
+        pass
 
 
 def new_stream():

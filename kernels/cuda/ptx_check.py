@@ -6,7 +6,9 @@
 Assembling checks what compiling to PTX does not: the inline PTX of kernels/cuda/ptx.py (dp4a,
 the tensor cores' mma) and every instruction's operands, as the driver would on first launch.
 Each line also gives ptxas's registers a thread and stack bytes: a kernel's local arrays that
-did not stay in registers (indexed by a value the compiler cannot unroll) show as stack.
+did not stay in registers (indexed by a value the compiler cannot unroll) show as stack. A kernel
+whose PTX has a float multiply or add that ptxas could fuse into an fma fails (registry.py
+compiles without contraction, so that a kernel rounds as its source and the simulator do).
 
 Needs the real CUDA target (NUMBA_ENABLE_CUDASIM unset) and NVVM, which the `cuda` extra brings
 (numba-cuda[cu13] installs NVVM, NVRTC and libdevice as wheels, found by cuda-pathfinder: no
@@ -54,6 +56,7 @@ def compile_all(cc: tuple[int, int] = (9, 0), report=None) -> dict[tuple[str, st
             for sig in spec.signatures:
                 start = time.perf_counter()
                 ptx, _ = cuda.compile_ptx(spec.pyfunc, sig, cc=cc)
+                check_no_fusable_arithmetic(ptx, spec.name)
                 code = assemble(ptx, cc, spec.name)
                 results[spec.name, sig] = ptx
                 if report:
@@ -61,6 +64,19 @@ def compile_all(cc: tuple[int, int] = (9, 0), report=None) -> dict[tuple[str, st
                            f"sm_{cc[0]}{cc[1]} code, {code['registers']:3d} registers, {code['stack_bytes']:4d} B stack "
                            f" {time.perf_counter() - start:5.2f} s  {sig}")
     return results
+
+
+# a float multiply, add or subtract without a rounding modifier, which ptxas may fuse into an fma
+_FUSABLE = re.compile(r"^\s*(?:@!?%p\d+\s+)?(mul|add|sub)\.f(?:32|64)\s", re.M)
+
+
+def check_no_fusable_arithmetic(ptx: str, name: str) -> None:
+    """RuntimeError if ptx has an instruction ptxas could fuse into an fma (registry.py compiles
+    without contraction, so that the kernels round as their source does)."""
+    fusable = _FUSABLE.findall(ptx)
+    if fusable:
+        raise RuntimeError(f"{name}: {len(fusable)} float {'/'.join(sorted(set(fusable)))} instructions "
+                           "without a rounding modifier (ptxas may fuse them into fma)")
 
 
 def assemble(ptx: str, cc: tuple[int, int], name: str) -> dict:

@@ -22,7 +22,36 @@ from numba.core import config
 
 from ..cache_stamp import install_cuda
 
+PACKAGE = __name__.rsplit(".", 2)[0]  # minillm.kernels
+
+
+def _compile_without_contraction() -> None:
+    """NVVM fuses a multiply and an add into one fma by default (-fma=1): one rounding where the
+    source has two, so a kernel computes other bits than the simulator runs and than the CPU
+    kernels it is written to match (an fma of the CPU's is written fma32). This package's
+    kernels compile with -fma=0, under which NVVM writes mul.rn/add.rn, which ptxas does not
+    fuse either (ptx_check checks that no fusable instruction is left). numba-cuda has no option
+    for it: the compile_cuda its dispatcher and compile_ptx call adds it for functions of this
+    package only (a kernel's device functions compile with the kernel's options)."""
+    import numba.cuda.compiler as compiler
+    import numba.cuda.dispatcher as dispatcher
+
+    numba_compile_cuda = compiler.compile_cuda
+    if getattr(numba_compile_cuda, "_minillm", False):
+        return
+
+    def compile_cuda(pyfunc, *args, nvvm_options=None, **kwargs):
+        if nvvm_options is not None and getattr(pyfunc, "__module__", "").startswith(PACKAGE + "."):
+            nvvm_options = {**nvvm_options, "fma": False}
+        return numba_compile_cuda(pyfunc, *args, nvvm_options=nvvm_options, **kwargs)
+
+    compile_cuda._minillm = True
+    compiler.compile_cuda = dispatcher.compile_cuda = compile_cuda
+
+
 CACHE = not config.ENABLE_CUDASIM and install_cuda()  # (before any kernel is declared)
+if not config.ENABLE_CUDASIM:
+    _compile_without_contraction()
 
 
 @dataclass(frozen=True)

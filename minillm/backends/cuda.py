@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
+from numba.cuda.cudadrv.driver import device_memset
 
 from ..errors import MinillmError, ModelError
 from ..kernels.cpu.matmul import KIND_IDS
@@ -183,7 +184,12 @@ def _map_leaves(fn, tree):
 
 
 def _device_zeros(shape: tuple[int, ...]):
-    return cuda.to_device(np.zeros(shape, np.float16))
+    """float16 zeros set on the device: a scheduler's pool can be tens of GB, which a copy of
+    host zeros would send over the bus."""
+    out = cuda.device_array(shape, np.float16)
+    if out.size:
+        device_memset(out, 0, out.nbytes)
+    return out
 
 
 def _device_copy(array):
