@@ -18,6 +18,7 @@ import pytest
 import cuda_env
 
 cuda_env.use_simulator_unless_real()
+cuda_env.poison_simulated_memory()  # after: it imports numba.cuda
 
 from numba import cuda  # noqa: E402  (after the simulator is chosen)
 from synthetic import float_tensor, random_blocks  # noqa: E402
@@ -394,6 +395,15 @@ def test_attention_matches_cpu(window, softcap):
                       cuda.to_device(kv_pos), 0, window, scale, softcap, H, out)
     np.testing.assert_allclose(to_host(out), want, rtol=2e-3, atol=2e-3)
     assert [item.grid[:2] for item in launches] == [(T, H)]  # rows on x, which has room for any batch
+
+
+@pytest.mark.skipif(cuda_env.REAL_GPU, reason="the simulator's allocations; a GPU's hold what they hold")
+def test_simulated_device_memory_starts_as_garbage():
+    """cuda_env.poison_simulated_memory: every kernel test runs over device arrays that start as
+    a GPU's reused memory may (NaN, 0xA5 bytes), never the zeros numpy tends to give."""
+    assert np.isnan(to_host(cuda.device_array((2, 3), np.float32))).all()
+    assert np.isnan(to_host(cuda.device_array_like(np.zeros(4, np.float16)))).all()
+    assert (to_host(cuda.device_array(5, np.int64)).view(np.uint8) == 0xA5).all()
 
 
 def test_a_grid_past_cudas_limits_is_refused():

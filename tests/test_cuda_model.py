@@ -22,6 +22,7 @@ import pytest
 import cuda_env
 
 cuda_env.use_simulator_unless_real()
+cuda_env.poison_simulated_memory()  # after: it imports numba.cuda
 
 from synthetic import SyntheticModel  # noqa: E402
 
