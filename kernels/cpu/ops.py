@@ -168,8 +168,6 @@ _EXP_C4 = np.float32(float.fromhex("0x1.573e2ep-5"))
 _EXP_C5 = np.float32(float.fromhex("0x1.0e4020p-7"))
 
 
-
-
 def ggml_build(bf16: bool = False) -> str:
     """The name of ggml's build for this CPU that minillm computes as (reference data are kept per
     build): "avx2" or "avx512", and with bf16, "avx512_bf16" where BF16 products differ too."""

@@ -88,9 +88,10 @@ def attention_runs_kernel(q, q_pos, row_seq, tables, shift, n_slots, kcache, vca
                           softcap, split, acc, m_out, s_out, done, out, kind, words, d16, s16, d32, s32):
     """ggml's one chunk over one run of row t's cells, for head h, then (by the last of the P
     blocks of (t, h) to finish) the runs merged into out (_merge_runs): grid (T, H, P), block (n,)
-    with n <= MAX_THREADS; (t, h, part) = blockIdx (rows on x, which has room for any batch). Row t at position q_pos[t] sees the cells
-    of its own cache (row_seq empty: the cache's n_slots slots are its rows) or of its sequence
-    row_seq[t] in a shared pool (each slot's row through tables[seq], blocks of 2^shift rows).
+    with n <= MAX_THREADS; (t, h, part) = blockIdx (rows on x, which has room for any batch).
+    Row t at position q_pos[t] sees the cells of its own cache (row_seq empty: the cache's
+    n_slots slots are its rows) or of its sequence row_seq[t] in a shared pool (each slot's row
+    through tables[seq], blocks of 2^shift rows).
     With `split`, a row over SPLIT_MIN_CELLS padded cells or more is cut into P runs (one per
     blockIdx.z), else (and without split) run 0 takes every cell and the others are empty.
     q (T, H*D) float32; kcache/vcache (rows, Hkv, D) float16; kv_pos (rows,) the position each
@@ -186,8 +187,8 @@ def _merge_if_last(acc, m, s_sum, done, out, kind, words, d16, s16, d32, s32, h,
     block makes its results visible device-wide (a fence before its count), then counts itself
     in done[t, h]; the one that counts last fences again before it reads every run's (the
     acquire side of the count, as the PTX memory model asks), and sets the count back to zero
-    for the next launch. (t, h)'s results share no 128-byte line
-    with other heads' or rows', so no block reads them before they are all written."""
+    for the next launch. (t, h)'s results share no 128-byte line with other heads' or rows', so
+    no block reads them before they are all written."""
     last_sh = cuda.shared.array(1, np.int32)
     cuda.threadfence()
     cuda.syncthreads()
