@@ -39,6 +39,7 @@ gpu_matmul = importlib.import_module("minillm.kernels.cuda.matmul")
 gpu_ptx = importlib.import_module("minillm.kernels.cuda.ptx")
 
 pytestmark = pytest.mark.cuda
+from cuda_env import every_launch_is_a_signature_ptx_check_compiles  # noqa: E402,F401 (autouse)
 
 QUANT_FORMATS = [f.name for f in FORMATS if f.quantized]
 FLOAT_FORMATS = [f.name for f in FORMATS if not f.quantized]
@@ -404,6 +405,17 @@ def test_simulated_device_memory_starts_as_garbage():
     assert np.isnan(to_host(cuda.device_array((2, 3), np.float32))).all()
     assert np.isnan(to_host(cuda.device_array_like(np.zeros(4, np.float16)))).all()
     assert (to_host(cuda.device_array(5, np.int64)).view(np.uint8) == 0xA5).all()
+
+
+def test_a_launch_of_an_undeclared_signature_is_named():
+    """The autouse fixture's check: a launch with types no @kernel signature declares (here a
+    float64 matrix for scale_kernel's float32 one) is named; a declared one is not."""
+    ops = importlib.import_module("minillm.kernels.cuda.ops")
+    with cuda_env.launched_signatures() as seen:
+        ops.launch(ops.scale_kernel, 1, 32, cuda.to_device(np.ones((2, 4))), np.float64(2.0))
+        ops.launch(ops.scale_kernel, 1, 32, cuda.to_device(np.ones((2, 4), np.float32)), np.float32(2.0))
+    assert [s.split("(")[0] for s in cuda_env.undeclared_signatures(seen)] == ["scale_kernel"]
+    assert len(seen) == 2
 
 
 def test_a_grid_past_cudas_limits_is_refused():

@@ -34,6 +34,7 @@ from minillm.gguf_file import GGUFFile  # noqa: E402
 from minillm.kernels.cuda import layers as cuda_layers  # noqa: E402
 
 pytestmark = pytest.mark.cuda
+from cuda_env import every_launch_is_a_signature_ptx_check_compiles  # noqa: E402,F401 (autouse)
 
 # CUDA and CPU logits agree within this fraction of the largest |logit|. Under the simulator
 # the largest difference measured is 1.1e-7 (most models: bit-identical): the kernels sum some
