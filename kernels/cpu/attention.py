@@ -40,7 +40,7 @@ KV_PAD = 256          # llama.cpp's cells handed to attention: a multiple of thi
 SPLIT_PARTS = THREADS
 
 # ggml's f16 dot product (the one-chunk scores) sums in 16-lane registers where it is built with
-# AVX-512 and in 8-lane ones with AVX2, as its softmax does (ops.GGML_AVX512).
+# AVX-512 and in 8-lane ones with AVX2, as its softmax does (target.GGML_AVX512).
 F16_DOT_STEP = 64 if GGML_AVX512 else 32
 # query rows the tiles' fma chains take at once: 24 accumulators of AVX-512's 32 registers, 12 of AVX2's 16
 CHAIN_ROWS = 6 if GGML_AVX512 else 3

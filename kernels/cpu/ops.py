@@ -12,7 +12,7 @@ import numpy as np
 from .f16 import f16_bits, f16_round, float32_bits, float32_from_bits
 from .fma import fma
 from .simd import swiglu_16
-from .target import GGML_AVX512, GGML_AVX512_BF16, SIMD_WIDTH  # noqa: F401 (imported from here)
+from .target import GGML_AVX512, GGML_AVX512_BF16, SIMD_WIDTH
 from .unpack import F16_TO_F32
 
 _PAR = dict(parallel=True, cache=True, nogil=True)
