@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 MODELS := models/SmolLM2-135M-Instruct.Q4_1.gguf models/gemma-3-270m-q4_k_m.gguf
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: install models test test-fast bench bench-serve bench-speculative run gpu-check clean
+.PHONY: install models test test-fast bench bench-serve bench-speculative run gpu-check gpu-parts clean
 
 install: $(VENV)/.installed
 
@@ -39,20 +39,30 @@ bench-serve: install models
 bench-speculative: install models
 	$(PY) -m minillm.cli.bench_speculative --out bench-speculative.json $(if $(LLAMA_BIN),--llama-bin $(LLAMA_BIN))
 
-# on a machine with an NVIDIA GPU: CUDA tests for real, golden parity and a benchmark on CUDA
+# on a machine with an NVIDIA GPU: golden parity and speed on CUDA, then the CUDA tests for real
+# GPU_CHECK_OUT=path: where the JSON report goes (rewritten after each stage)
 # OFFLINE=1, on a GPU machine without network: the machine's own python3 and numba-cuda, the
 # project installed editable without dependencies (wheels/*.whl first: gguf and pyyaml; into a
-# system Python too, which PEP 668 would refuse); the real models are checked where models/ has them
+# system Python too, which PEP 668 would refuse); the real models are checked where models/ has
+# them, or SMOLLM2_PARTS names `make gpu-parts`' pieces, which it joins first
+GPU_CHECK_OUT ?= gpu-check.json
 ifeq ($(OFFLINE),1)
 gpu-check:
+	$(if $(SMOLLM2_PARTS),cat $(SMOLLM2_PARTS) > $(DEFAULT_MODEL))
 	PIP_BREAK_SYSTEM_PACKAGES=1 $(PYTHON) -m pip install --quiet --no-index --no-deps --no-build-isolation \
 		$(wildcard wheels/*.whl) -e .
 	@$(PYTHON) -c "import gguf" 2>/dev/null || { echo "gpu-check: the gguf package is missing (or its pyyaml): put their wheels in wheels/" >&2; exit 1; }
-	$(PYTHON) -m minillm.cli.gpu_check --out gpu-check.json
+	$(PYTHON) -m minillm.cli.gpu_check --out $(GPU_CHECK_OUT)
 else
 gpu-check: install models
-	$(PY) -m minillm.cli.gpu_check --out gpu-check.json
+	$(PY) -m minillm.cli.gpu_check --out $(GPU_CHECK_OUT)
 endif
+
+# SmolLM2 in two pieces under gpu-parts/, each small enough for one upload to a GPU machine
+# without network (docs/performance.md: a piece a call, SMOLLM2_PARTS joins them there)
+gpu-parts: models
+	rm -rf gpu-parts && mkdir gpu-parts
+	split -b 50000000 -d $(DEFAULT_MODEL) gpu-parts/smollm2.part
 
 run: install models
 	$(VENV)/bin/minillm generate $(DEFAULT_MODEL) --chat --temp 0 -n 64 -p "Write one sentence about the sea."

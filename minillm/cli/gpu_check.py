@@ -21,10 +21,14 @@
           decode (S_PP, S_TG) at 1, 8, 32 and 64 sequences, as `minillm bench --parallel`, and
           batch invariance: a request's tokens and logprobs alone and among 2, 7 and 16
 
-Writes every result as JSON to --out (after each stage, so a cut-short run keeps what it
-measured). Exits 1 when there is no GPU (with the reason), when a test fails or when an
-agreement falls below the CPU test's floor. Run from a checkout; the real models are checked
-where `make models` put them, and skipped (said so) where it did not.
+The stages run in the order of what a GPU's few minutes are most wanted for: the real models'
+golden agreement and speed, the large shapes' speed (and the replay modes), the batched and
+tensor-core stages, and the CUDA tests last, in the time left (their kernels are checked
+under the simulator in every CI run). Writes every result as JSON to --out (after each stage,
+so a cut-short run keeps what it measured). Exits 1 when there is no GPU (with the reason),
+when a test fails or when an agreement falls below the CPU test's floor. Run from a checkout;
+the real models are checked where `make models` (or `make gpu-parts`' pieces, joined) put
+them, after their sha256, and skipped (said so) where they are missing or differ.
 """
 from __future__ import annotations
 
@@ -56,8 +60,10 @@ SYNTHETIC_SHAPES = {
     "tiny": dict(n_embd=256, n_layer=2, n_ff=512, n_head=4, n_head_kv=2, n_vocab=512),
 }
 MIN_AGREEMENT = 0.94    # tests/test_golden_forward.py's floor on the CPU
-BUDGET_S = 380          # no stage starts after this: the whole run stays under 8 minutes
+MEASURE_UNTIL_S = 330   # no measuring stage starts after this
+BUDGET_S = 440          # the CUDA tests (last) end by then: the whole run stays under 8 minutes
 TESTS_TIMEOUT_S = 240
+TESTS_MIN_S = 30        # less time left than this: the tests are skipped (said so)
 
 
 class NoGPU(Exception):
@@ -213,10 +219,11 @@ def golden_rows(name: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def golden(name: str, gpu_model, cpu_model, deadline: float) -> dict:
-    """Teacher-forced agreement with llama.cpp on CUDA, and CUDA's logits against the CPU's."""
-    agree = steps = cpu_agree = 0
-    diffs, cpu_diffs, cpu_rel = [], [], []
+def golden(name: str, gpu_model, logits_kept: list) -> dict:
+    """Teacher-forced agreement with llama.cpp on CUDA; each row's logits appended to logits_kept
+    (for compare_with_cpu)."""
+    agree = steps = 0
+    diffs = []
     t0 = time.perf_counter()
     for row in golden_rows(name):
         prompt = row["prompt_ids"]
@@ -226,22 +233,30 @@ def golden(name: str, gpu_model, cpu_model, deadline: float) -> dict:
             agree += int(np.argmax(logits[i]) == step["next"])
             diffs.extend(abs(float(logits[i][tok]) - val) for tok, val in step["top"])
         steps += len(row["steps"])
-        if cpu_model is not None and time.perf_counter() < deadline:
-            want = cpu_model.logits(ids, start=len(prompt) - 1)
-            cpu_agree += int(np.sum(want.argmax(-1) == logits.argmax(-1)))
-            cpu_diffs.append(float(np.abs(logits - want).mean()))
-            cpu_rel.append(float(np.abs(logits - want).max() / np.abs(want).max()))
+        logits_kept.append(logits)
     rate = agree / steps
-    result = {"steps": steps, "agreement": round(rate, 4), "mean_abs_logit_diff_top10": round(float(np.mean(diffs)), 4),
-              "ok": rate >= MIN_AGREEMENT, "min_agreement": MIN_AGREEMENT,
-              "seconds": round(time.perf_counter() - t0, 1)}
-    if cpu_diffs:
-        n_rows = len(cpu_diffs)
-        n_steps = sum(len(r["steps"]) for r in golden_rows(name)[:n_rows])
-        result["vs_cpu"] = {"rows": n_rows, "argmax_agreement": round(cpu_agree / n_steps, 4),
-                            "mean_abs_logit_diff": round(float(np.mean(cpu_diffs)), 5),
-                            "max_rel_logit_diff": float(f"{max(cpu_rel):.3g}")}
-    return result
+    return {"steps": steps, "agreement": round(rate, 4), "mean_abs_logit_diff_top10": round(float(np.mean(diffs)), 4),
+            "ok": rate >= MIN_AGREEMENT, "min_agreement": MIN_AGREEMENT, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def compare_with_cpu(name: str, gpu_logits: list, cpu_model, deadline: float) -> dict:
+    """The CPU's logits for golden's rows (while time is left) against CUDA's: the argmax
+    agreement, the mean |difference| and the largest one relative to the largest logit."""
+    agree = steps = 0
+    diffs, rel = [], []
+    for row, logits in zip(golden_rows(name), gpu_logits):
+        if time.perf_counter() > deadline:
+            break
+        prompt = row["prompt_ids"]
+        want = cpu_model.logits(prompt + [s["next"] for s in row["steps"]][:-1], start=len(prompt) - 1)
+        agree += int(np.sum(want.argmax(-1) == logits.argmax(-1)))
+        steps += len(want)
+        diffs.append(float(np.abs(logits - want).mean()))
+        rel.append(float(np.abs(logits - want).max() / np.abs(want).max()))
+    if not diffs:
+        return {"skipped": "out of time"}
+    return {"rows": len(diffs), "argmax_agreement": round(agree / steps, 4),
+            "mean_abs_logit_diff": round(float(np.mean(diffs)), 5), "max_rel_logit_diff": float(f"{max(rel):.3g}")}
 
 
 def bench(model, n_prompt: int = 512, n_gen: int = 128) -> dict:
@@ -398,30 +413,103 @@ def _stage(report: Report, key: str, entry: dict, name: str, run, *args) -> None
     report.add(key, entry)
 
 
-def check_models(report: Report, deadline: float) -> None:
+def model_problem(path: Path) -> str | None:
+    """Why a real model can't be checked (missing, or not the file its sha256 names), or None."""
+    if not path.exists():
+        return f"{path} is missing (`make models` fetches it; `make gpu-parts` splits it for an upload)"
+    spec = importlib.util.spec_from_file_location("fetch", ROOT / "models" / "fetch.py")
+    fetch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fetch)
+    expected, got = fetch.MODELS[path.name][1], fetch.sha256(path)
+    return None if got == expected else f"{path}: sha256 {got} is not the expected {expected}"
+
+
+def check_models(report: Report, deadline: float, cpu_warm_up) -> dict:
+    """Each real model's golden agreement and speed on CUDA, then on the CPU (once cpu_warm_up,
+    the process compiling the CPU kernels meanwhile, is done); returns the CUDA models loaded,
+    with their report entries, for the stages that come later."""
+    loaded = {}
     for name, path in MODELS.items():
-        if not path.exists():
-            report.add(name, {"skipped": f"{path} is missing (`make models` fetches it)"})
-            continue
-        if time.perf_counter() > deadline:
-            report.add(name, {"skipped": "out of time"})
+        problem = model_problem(path)
+        if problem or time.perf_counter() > deadline:
+            report.add(name, {"skipped": problem or "out of time"})
             continue
         try:
             gpu_model, entry = load_measured(path, "cuda")
-            cpu_model = load(path, "cpu")
         except Exception as exc:  # noqa: BLE001
             report.add(name, _failure(f"{name} loading", exc))
             continue
         entry["ok"] = True
-        _stage(report, name, entry, "golden", golden, name, gpu_model, cpu_model, deadline)
-        for device, model in (("cuda", gpu_model), ("cpu", cpu_model)):
-            if time.perf_counter() < deadline:
-                _stage(report, name, entry, f"bench_{device}", bench, model)
-        if name == "smollm2":
-            for stage, run in (("batched_cuda", batched), ("mma_cuda", compare_mma)):  # the newest kernels last
-                if time.perf_counter() < deadline:
-                    _stage(report, name, entry, stage, run, gpu_model)
-        del gpu_model, cpu_model
+        gpu_logits = []
+        _stage(report, name, entry, "golden", golden, name, gpu_model, gpu_logits)
+        _stage(report, name, entry, "bench_cuda", bench, gpu_model)
+        loaded[name] = (gpu_model, entry)
+        if time.perf_counter() < deadline:
+            entry["cpu_warm_up_wait_s"] = cpu_warm_up.wait_s()
+            _stage(report, name, entry, "cpu", run_on_cpu, name, path, gpu_logits, deadline)
+    return loaded
+
+
+def run_on_cpu(name: str, path: Path, gpu_logits: list, deadline: float) -> dict:
+    """The model on the CPU: its logits against CUDA's (compare_with_cpu) and its speed."""
+    t0 = time.perf_counter()
+    model = load(path, "cpu")
+    result = {"load_and_warm_up_s": round(time.perf_counter() - t0, 1),
+              "vs_cuda": compare_with_cpu(name, gpu_logits, model, deadline)}
+    if time.perf_counter() < deadline:
+        result["bench"] = bench(model)
+    return result
+
+
+class CpuWarmUp:
+    """The CPU path's kernels compiled into Numba's on-disk cache by another process, while this
+    one measures the GPU: a cold machine compiles them for a minute or two, and the CPU models
+    then load from the cache. The process only warms the cache, so its failure costs time, not
+    results (the CPU models compile for themselves)."""
+
+    def __init__(self, paths: list[Path]):
+        code = ("import sys\nfrom minillm.model import Model\nfor path in sys.argv[1:]:\n"
+                "    model = Model(path, device='cpu'); model.warm_up(); model.logits(list(range(1, 80)))")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, *map(str, paths)], cwd=ROOT,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if paths else None
+
+    def wait_s(self, timeout: float = 180) -> float:
+        """Wait for it (at most timeout seconds, then stop it); the seconds waited."""
+        t0 = time.perf_counter()
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.stop()
+        return round(time.perf_counter() - t0, 1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def check_batched(report: Report, loaded: dict, deadline: float) -> None:
+    """SmolLM2's scheduler on CUDA and its products on the tensor cores (the newest kernels, last)."""
+    if "smollm2" not in loaded:
+        return
+    model, entry = loaded["smollm2"]
+    for stage, run in (("batched_cuda", batched), ("mma_cuda", compare_mma)):
+        if time.perf_counter() < deadline:
+            _stage(report, "smollm2", entry, stage, run, model)
+
+
+def release_device_memory() -> None:
+    """Free the device memory of what is no longer referenced now, not when numba-cuda's deferred
+    frees would (up to a fifth of the GPU's memory can wait there), before the next large model
+    or the tests' own process. (A device array's free waits in its memory manager's queue; the
+    context's own holds streams and events.)"""
+    import gc
+
+    from numba import cuda
+
+    gc.collect()
+    cuda.current_context().memory_manager.deallocations.clear()
 
 
 def check_synthetic(report: Report, deadline: float, shapes=("1b", "7b")) -> None:
@@ -450,17 +538,18 @@ def check_synthetic(report: Report, deadline: float, shapes=("1b", "7b")) -> Non
                     if time.perf_counter() < deadline:
                         _stage(report, key, entry, stage, run, model)
             del model
+            release_device_memory()
             if shape != "7b" and time.perf_counter() < deadline:
-                _stage(report, key, entry, "bench_cpu", bench, load(path, "cpu"), 512, 64)
+                _stage(report, key, entry, "bench_cpu", lambda: bench(load(path, "cpu"), 512, 64))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON file for the results")
-    parser.add_argument("--skip-tests", action="store_true", help="only the real models")
+    parser.add_argument("--skip-tests", action="store_true", help="no CUDA tests, only the measurements")
     args = parser.parse_args(argv)
     report = Report(args.out)
-    deadline = time.perf_counter() + BUDGET_S
+    t0 = time.perf_counter()
     try:
         report.add("gpu", gpu_facts())
     except NoGPU as exc:
@@ -468,11 +557,21 @@ def main(argv=None) -> int:
         print(f"gpu_check: no GPU to check: {exc}", file=sys.stderr)
         return 1
     print(f"gpu_check: {report.data['gpu']['name']}", file=sys.stderr)
+    measure_deadline = t0 + MEASURE_UNTIL_S
+    cpu_warm_up = CpuWarmUp([path for path in MODELS.values() if path.exists()])
+    try:
+        loaded = check_models(report, measure_deadline, cpu_warm_up)
+    finally:
+        cpu_warm_up.stop()
+    check_synthetic(report, measure_deadline)
+    check_batched(report, loaded, measure_deadline)
+    loaded.clear()
+    release_device_memory()
     if not args.skip_tests:
-        report.add("tests", run_tests(min(TESTS_TIMEOUT_S, deadline - time.perf_counter())))
+        left = t0 + BUDGET_S - time.perf_counter()
+        report.add("tests", run_tests(min(TESTS_TIMEOUT_S, left)) if left >= TESTS_MIN_S
+                   else {"skipped": f"out of time ({left:.0f} s left)"})
         print(f"gpu_check: tests {report.data['tests']}", file=sys.stderr)
-    check_models(report, deadline)
-    check_synthetic(report, deadline)
     report.save()
     print(json.dumps(report.data, indent=2))
     return 0 if report.data["ok"] else 1
