@@ -2,12 +2,10 @@
 
     python -m minillm.cli.gpu_check --out gpu-check.json
 
-  tests   the CUDA tests on the GPU (MINILLM_CUDA_REAL=1 pytest -m cuda): every kernel against
-          the CPU kernels and compiled to PTX, the CUDA backend against the CPU path
   golden  both real models teacher-forced on llama.cpp's greedy runs (tests/data/greedy_*) on
           CUDA: agreement and mean |logit diff| over llama.cpp's top-10, as
-          tests/test_golden_forward.py measures them on the CPU; and the same logits from the
-          CPU, compared with CUDA's
+          tests/test_golden_forward.py measures them on the CPU; then the same logits from the
+          CPU (its kernels compiled meanwhile by another process), compared with CUDA's
   bench   prefill (pp512) and decode (tg128) speed of both models on CUDA and on the CPU, and
           the device memory the weights take against the file's tensor bytes
   large   Llama-shaped models of random Q4_0 weights written on the machine (1B and 7B shapes:
@@ -20,6 +18,8 @@
   batched the batching scheduler on CUDA (SmolLM2 and the 7B shape): aggregate prefill and
           decode (S_PP, S_TG) at 1, 8, 32 and 64 sequences, as `minillm bench --parallel`, and
           batch invariance: a request's tokens and logprobs alone and among 2, 7 and 16
+  tests   the CUDA tests on the GPU (MINILLM_CUDA_REAL=1 pytest -m cuda): every kernel against
+          the CPU kernels and compiled to PTX, the CUDA backend against the CPU path
 
 The stages run in the order of what a GPU's few minutes are most wanted for: the real models'
 golden agreement and speed, the large shapes' speed (and the replay modes), the batched and
