@@ -75,6 +75,34 @@ def smollm2_f16(tmp_path_factory):
     return out
 
 
+# The files that take longest (seconds on 2 cores, cold: cuda_model 460, quantize 310,
+# cuda_kernels 250, avx2_build 245, cluster 135, speculative 125), longest first. Under
+# pytest-xdist (make test) each worker takes the next file in collection order when it runs
+# low; left to itself xdist orders the files by their number of tests, and test_avx2_build.py's
+# one test then started last and ran alone for 4 minutes.
+LONGEST_FILES = ("test_cuda_model.py", "test_quantize.py", "test_cuda_kernels.py", "test_avx2_build.py",
+                 "test_cluster.py", "test_speculative.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # xdist's own order (most tests first) would undo ours
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    """LONGEST_FILES first, in their order; the other files after them, most tests first (xdist's
+    own rule); each file's tests in their own order."""
+    counts = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+
+    def rank(item):
+        name = item.path.name
+        return (LONGEST_FILES.index(name), 0) if name in LONGEST_FILES else (len(LONGEST_FILES), -counts[name])
+
+    items.sort(key=rank)
+
+
 # lines that tests want shown in the run's output (measured figures), printed at the end
 REPORT: list[str] = []
 

@@ -79,3 +79,11 @@ def test_the_engine_imports_nothing_from_the_layers_above_it():
             if target.startswith(ABOVE_THE_ENGINE) and (module, scope) not in FRONT_DOOR:
                 bad.append(f"{module} ({scope or 'module level'}) imports {target}")
     assert not bad, "\n".join(bad)
+
+
+def test_the_longest_test_files_named_for_the_workers_exist():
+    """conftest hands LONGEST_FILES to the workers first: a renamed file would quietly go back
+    to xdist's own place in the order."""
+    from conftest import LONGEST_FILES, ROOT
+
+    assert all((ROOT / "tests" / name).is_file() for name in LONGEST_FILES)
