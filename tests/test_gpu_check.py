@@ -119,6 +119,8 @@ def test_the_golden_protocol_and_the_comparison_with_the_cpu_run_on_smollm2():
     same = gpu_check.compare_with_cpu("smollm2", kept, model, deadline=gpu_check.time.perf_counter() + 600)
     assert same == {"rows": 12, "argmax_agreement": 1.0, "mean_abs_logit_diff": 0.0, "max_rel_logit_diff": 0.0}
     assert gpu_check.compare_with_cpu("smollm2", kept, model, deadline=0) == {"skipped": "out of time"}
+    assert gpu_check.compare_with_cpu("smollm2", [], model, deadline=gpu_check.time.perf_counter() + 600) == {
+        "skipped": "no CUDA logits to compare"}  # the golden stage failed
 
 
 def test_the_cpu_warm_up_process_loads_and_runs_each_model(tmp_path):

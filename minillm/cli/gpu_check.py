@@ -219,6 +219,12 @@ def golden_rows(name: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def teacher_forced(row: dict) -> tuple[list[int], int]:
+    """A golden row's ids (its prompt and llama.cpp's greedy tokens but the last) and the first
+    position whose logits predict one of those tokens."""
+    return row["prompt_ids"] + [s["next"] for s in row["steps"]][:-1], len(row["prompt_ids"]) - 1
+
+
 def golden(name: str, gpu_model, logits_kept: list) -> dict:
     """Teacher-forced agreement with llama.cpp on CUDA; each row's logits appended to logits_kept
     (for compare_with_cpu)."""
@@ -226,9 +232,8 @@ def golden(name: str, gpu_model, logits_kept: list) -> dict:
     diffs = []
     t0 = time.perf_counter()
     for row in golden_rows(name):
-        prompt = row["prompt_ids"]
-        ids = prompt + [s["next"] for s in row["steps"]][:-1]
-        logits = gpu_model.logits(ids, start=len(prompt) - 1)
+        ids, start = teacher_forced(row)
+        logits = gpu_model.logits(ids, start=start)
         for i, step in enumerate(row["steps"]):
             agree += int(np.argmax(logits[i]) == step["next"])
             diffs.extend(abs(float(logits[i][tok]) - val) for tok, val in step["top"])
@@ -247,14 +252,14 @@ def compare_with_cpu(name: str, gpu_logits: list, cpu_model, deadline: float) ->
     for row, logits in zip(golden_rows(name), gpu_logits):
         if time.perf_counter() > deadline:
             break
-        prompt = row["prompt_ids"]
-        want = cpu_model.logits(prompt + [s["next"] for s in row["steps"]][:-1], start=len(prompt) - 1)
+        ids, start = teacher_forced(row)
+        want = cpu_model.logits(ids, start=start)
         agree += int(np.sum(want.argmax(-1) == logits.argmax(-1)))
         steps += len(want)
         diffs.append(float(np.abs(logits - want).mean()))
         rel.append(float(np.abs(logits - want).max() / np.abs(want).max()))
     if not diffs:
-        return {"skipped": "out of time"}
+        return {"skipped": "out of time" if gpu_logits else "no CUDA logits to compare"}
     return {"rows": len(diffs), "argmax_agreement": round(agree / steps, 4),
             "mean_abs_logit_diff": round(float(np.mean(diffs)), 5), "max_rel_logit_diff": float(f"{max(rel):.3g}")}
 
