@@ -75,13 +75,13 @@ def smollm2_f16(tmp_path_factory):
     return out
 
 
-# The files that take longest (seconds on 2 cores, cold: cuda_model 460, quantize 310,
-# cuda_kernels 250, avx2_build 245, cluster 135, speculative 125), longest first. Under
-# pytest-xdist (make test) each worker takes the next file in collection order when it runs
-# low; left to itself xdist orders the files by their number of tests, and test_avx2_build.py's
-# one test then started last and ran alone for 4 minutes.
-LONGEST_FILES = ("test_cuda_model.py", "test_quantize.py", "test_cuda_kernels.py", "test_avx2_build.py",
-                 "test_cluster.py", "test_speculative.py")
+# Files handed to the workers first, before the others (most tests first, xdist's own rule).
+# Under pytest-xdist (make test) a worker takes the next file in collection order when it runs
+# low, so test_avx2_build.py (one test, about 250 s on 2 cores) started last and ran alone for 4
+# minutes. Its child pytest compiles for another CPU (Haswell), none of the kernels the workers
+# compile, so starting it first makes neither worker compile anything twice. (Moving the other
+# long files to the front as well balanced the workers, but their work grew by about as much.)
+FIRST_FILES = ("test_avx2_build.py",)
 
 
 def pytest_configure(config):
@@ -90,7 +90,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(items):
-    """LONGEST_FILES first, in their order; the other files after them, most tests first (xdist's
+    """FIRST_FILES first, in their order; the other files after them, most tests first (xdist's
     own rule); each file's tests in their own order."""
     counts = {}
     for item in items:
@@ -98,7 +98,7 @@ def pytest_collection_modifyitems(items):
 
     def rank(item):
         name = item.path.name
-        return (LONGEST_FILES.index(name), 0) if name in LONGEST_FILES else (len(LONGEST_FILES), -counts[name])
+        return (FIRST_FILES.index(name), 0) if name in FIRST_FILES else (len(FIRST_FILES), -counts[name])
 
     items.sort(key=rank)
 

@@ -81,9 +81,9 @@ def test_the_engine_imports_nothing_from_the_layers_above_it():
     assert not bad, "\n".join(bad)
 
 
-def test_the_longest_test_files_named_for_the_workers_exist():
-    """conftest hands LONGEST_FILES to the workers first: a renamed file would quietly go back
-    to xdist's own place in the order."""
-    from conftest import LONGEST_FILES, ROOT
+def test_the_files_conftest_hands_to_the_workers_first_exist():
+    """conftest hands FIRST_FILES to the workers first: a renamed file would quietly go back to
+    xdist's own place in the order."""
+    from conftest import FIRST_FILES, ROOT
 
-    assert all((ROOT / "tests" / name).is_file() for name in LONGEST_FILES)
+    assert all((ROOT / "tests" / name).is_file() for name in FIRST_FILES)
