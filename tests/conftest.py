@@ -1,5 +1,6 @@
 import signal
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -92,9 +93,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
     """FIRST_FILES first, in their order; the other files after them, most tests first (xdist's
     own rule); each file's tests in their own order."""
-    counts = {}
-    for item in items:
-        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+    counts = Counter(item.path.name for item in items)
 
     def rank(item):
         name = item.path.name

@@ -473,8 +473,8 @@ class CpuWarmUp:
     results (the CPU models compile for themselves)."""
 
     def __init__(self, paths: list[Path]):
-        code = ("import sys\nfrom minillm.model import Model\nfor path in sys.argv[1:]:\n"
-                "    model = Model(path, device='cpu'); model.warm_up(); model.logits(list(range(1, 80)))")
+        code = ("import sys\nfrom minillm.cli.gpu_check import load\n"  # as the CPU stage loads, and a batch
+                "for path in sys.argv[1:]:\n    load(path, 'cpu').logits(list(range(1, 80)))")
         self.proc = subprocess.Popen([sys.executable, "-c", code, *map(str, paths)], cwd=ROOT,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if paths else None
 
