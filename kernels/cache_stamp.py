@@ -19,10 +19,12 @@ CUDA_SOURCES = ("cuda/*.py", "cpu/*.py")  # the CUDA kernels take some constants
 
 
 def _roots() -> tuple[Path, Path]:
-    """kernels/ and minillm/ (kernels/ is installed as minillm.kernels, so minillm is importing it)."""
-    import minillm
-
-    return Path(__file__).resolve().parent, Path(minillm.__file__).resolve().parent
+    """kernels/ and the package folder whose sources (arch/, quality/) compiled code also comes
+    from, found by the layout rather than by importing the package: installed, kernels/ is
+    minillm/kernels; in the source tree (an editable install), kernels/ sits beside minillm/."""
+    kernels = Path(__file__).resolve().parent
+    installed = kernels.parent
+    return kernels, installed if (installed / "arch").is_dir() else installed / "minillm"
 
 
 def source_digest(patterns=CPU_SOURCES) -> str:

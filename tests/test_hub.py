@@ -126,8 +126,11 @@ def test_default_quant_ls_and_rm(hub, cli):
     info = json.loads(_ok(cli("info", GEMMA, "--json")).stdout)  # a use: gemma is now the most recent
     assert info["architecture"] == "gemma3"
     assert [m["repo"] for m in json.loads(_ok(cli("ls", "--json")).stdout)] == [GEMMA, SMOL]
-    table = _ok(cli("ls")).stdout
-    assert "gemma3" in table and "Q4_K_M" in table and "just now" in table
+    table = _ok(cli("ls", COLUMNS="60")).stdout.splitlines()  # piped: whole names, however narrow the screen
+    assert [line.split()[:2] for line in table] == [["model", "file"], [f"{GEMMA}:Q4_K_M", "gemma-3-270m-it-Q4_K_M.gguf"],
+                                                    [f"{SMOL}:Q4_1", "SmolLM2-135M-Instruct-Q4_1.gguf"]]
+    assert {line.index("gemma3" if GEMMA in line else "llama") for line in table[1:]} == {table[0].index("architecture")}
+    assert "gemma3" in table[1] and "Q4_K_M" in table[1] and table[1].endswith("just now")
     _error(cli("rm", f"{GEMMA}:Q8_0"), "is not in the local store")
     assert "deleted gemma-3-270m-it-Q4_K_M.gguf" in _ok(cli("rm", f"{GEMMA}:q4_k_m")).stderr
     assert [m["repo"] for m in json.loads(_ok(cli("ls", "--json")).stdout)] == [SMOL]

@@ -81,6 +81,47 @@ def test_the_engine_imports_nothing_from_the_layers_above_it():
     assert not bad, "\n".join(bad)
 
 
+def _modules(folder, package: str):
+    """(module name, path) of every Python file under folder, which installs as package."""
+    for path in sorted(folder.rglob("*.py")):
+        parts = path.relative_to(folder).with_suffix("").parts
+        yield ".".join((package, *(parts[:-1] if parts[-1] == "__init__" else parts))).rstrip("."), path
+
+
+def test_the_tools_below_the_command_line_import_nothing_of_it():
+    """quality/ and serving/ are used by the commands, never the other way round: what both need
+    (timing a decode, for one) lives below them."""
+    bad = [f"{module} ({scope or 'module level'}) imports {target}"
+           for layer in ("quality", "serving") for module, path in _modules(ROOT / "minillm" / layer, f"minillm.{layer}")
+           for scope, target in _imports(path, module) if target.startswith("minillm.cli")]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_kernels_import_nothing_of_the_package_above_them():
+    """kernels/ (installed as minillm.kernels) is the leaf everything uses: it imports only the
+    standard library, NumPy, Numba, llvmlite and its own modules."""
+    bad = [f"{module} ({scope or 'module level'}) imports {target}"
+           for module, path in _modules(ROOT / "kernels", "minillm.kernels")
+           for scope, target in _imports(path, module)
+           if target.split(".")[0] == "minillm" and not target.startswith("minillm.kernels")]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_command_modules_import_no_circle():
+    """cli/app.py assembles the commands; the commands share options and the model's start
+    through modules of their own, and no module of cli/ reaches back to one that imports it."""
+    graph = {module: {target for _, target in _imports(path, module) if target.startswith("minillm.cli.")}
+             for module, path in _modules(ROOT / "minillm" / "cli", "minillm.cli")}
+    graph = {module: {t if t in graph else t.rpartition(".")[0] for t in targets} & set(graph)
+             for module, targets in graph.items()}
+
+    def reaches(start, goal, seen):
+        return any(t == goal or (t not in seen and not seen.add(t) and reaches(t, goal, seen)) for t in graph[start])
+
+    circles = sorted(module for module in graph if reaches(module, module, set()))
+    assert not circles, f"modules on an import circle: {circles}"
+
+
 def test_the_files_conftest_hands_to_the_workers_first_exist():
     """conftest hands FIRST_FILES to the workers first: a renamed file would quietly go back to
     xdist's own place in the order."""

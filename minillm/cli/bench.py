@@ -9,6 +9,7 @@ import numpy as np
 
 from ..kv_cache import F16_CACHE
 from ..model import Model
+from ..timing import time_decode, time_prefill
 
 
 def run_bench(path, n_prompt: int, n_gen: int, reps: int, threads, on_compile=None, device: str = "cpu",
@@ -26,37 +27,12 @@ def run_bench(path, n_prompt: int, n_gen: int, reps: int, threads, on_compile=No
               "cache_type_v": model.cache_types[1],
               "kv_cache_bytes": model.new_cache(depth + max(n_prompt, n_gen)).nbytes}
     if n_prompt:
-        best = min(_time_prefill(model, rng, n_prompt, depth) for _ in range(reps))
+        best = min(time_prefill(model, rng, n_prompt, depth) for _ in range(reps))
         result["pp_tokens_per_s"] = round(n_prompt / best, 2)
     if n_gen:
-        best = min(_time_decode(model, rng, n_gen, depth) for _ in range(reps))
+        best = min(time_decode(model, rng, n_gen, depth) for _ in range(reps))
         result["tg_tokens_per_s"] = round(n_gen / best, 2)
     return result
-
-
-def _filled_cache(model: Model, rng, depth: int, n: int):
-    """A cache for depth + n tokens, holding depth random ones (untimed)."""
-    cache = model.new_cache(depth + n)
-    if depth:
-        model.eval(rng.integers(0, model.n_vocab, size=depth), cache, logits_from=depth)
-    return cache
-
-
-def _time_prefill(model: Model, rng, n: int, depth: int = 0) -> float:
-    cache = _filled_cache(model, rng, depth, n)
-    ids = rng.integers(0, model.n_vocab, size=n)
-    t = time.perf_counter()
-    model.eval(ids, cache, logits_from=n - 1)
-    return time.perf_counter() - t
-
-
-def _time_decode(model: Model, rng, n: int, depth: int = 0) -> float:
-    cache = _filled_cache(model, rng, depth, n)
-    ids = rng.integers(0, model.n_vocab, size=n)
-    t = time.perf_counter()
-    for i in range(n):
-        model.eval(ids[i:i + 1], cache)
-    return time.perf_counter() - t
 
 
 def run_parallel_bench(path, levels: list[int], n_prompt: int, n_gen: int, threads, on_compile=None,

@@ -7,11 +7,12 @@ from typing import Optional
 
 import typer
 
-from .generate import (
+from .options import (
     API_KEY, CACHE_TYPE_K, CACHE_TYPE_V, CHAT_TEMPLATE, CTX, DEVICE, DRAFT, DRAFT_MAX, DRAFT_MIN, DRAFT_P_MIN,
     FREQUENCY_PENALTY, LOOKUP, LOOKUP_NGRAM, MIN_P, MODEL_OR_SERVER, PRESENCE_PENALTY, REPEAT_LAST_N, REPEAT_PENALTY,
     SEED, SERVER, SYSTEM, TEMP, THREADS, TOP_K, TOP_P, Guessing, need_model, sampling_params,
 )
+from .common import load_model
 from .models import takes_model
 from ..params import SpeculationParams
 
@@ -50,7 +51,6 @@ def register(app: typer.Typer) -> None:
     ):
         """Chat with a model in the terminal (loaded here, or running in `minillm serve`)."""
         from .repl import Chat, LocalReplies, RemoteReplies, repl
-        from .app import load_model
 
         need_model(model, server, {"--ctx": ctx is not None, "--threads": threads is not None,
                                    "--device": device != "auto", "--chat-template": chat_template is not None,

@@ -266,11 +266,11 @@ def compare_with_cpu(name: str, gpu_logits: list, cpu_model, deadline: float) ->
 
 def bench(model, n_prompt: int = 512, n_gen: int = 128) -> dict:
     """Prefill and decode tokens/s as `minillm bench` measures them (best of two)."""
-    from .bench import _time_decode, _time_prefill
+    from ..timing import time_decode, time_prefill
 
     rng = np.random.default_rng(0)
-    prefill = min(_time_prefill(model, rng, n_prompt) for _ in range(2))
-    decode = min(_time_decode(model, rng, n_gen) for _ in range(2))
+    prefill = min(time_prefill(model, rng, n_prompt) for _ in range(2))
+    decode = min(time_decode(model, rng, n_gen) for _ in range(2))
     return {f"pp{n_prompt}_tokens_per_s": round(n_prompt / prefill, 1),
             f"tg{n_gen}_tokens_per_s": round(n_gen / decode, 1)}
 
@@ -285,7 +285,8 @@ def compare_mma(model, n_prompt: int = 512, n_logits: int = 16, n_seq: int = 32,
     gets the same logits (it should: the MMA's integer sums are exact and the float terms are
     added in the same order); ok within 1e-3 of the largest logit."""
     from ..kernels.cuda import matmul
-    from .bench import _parallel_run, _time_prefill
+    from .bench import _parallel_run
+    from ..timing import time_prefill
 
     ids = np.random.default_rng(2).integers(0, model.n_vocab, size=n_logits)
     result, logits = {}, {}
@@ -295,7 +296,7 @@ def compare_mma(model, n_prompt: int = 512, n_logits: int = 16, n_seq: int = 32,
             matmul.MMA = on
             rng = np.random.default_rng(0)
             result[f"{name}_pp{n_prompt}_tokens_per_s"] = round(
-                n_prompt / min(_time_prefill(model, rng, n_prompt) for _ in range(2)), 1)
+                n_prompt / min(time_prefill(model, rng, n_prompt) for _ in range(2)), 1)
             # (the prefill step compiles the rows' kernels: S_PP would count it, S_TG does not)
             _, t_tg = _parallel_run(model, rng, n_seq, seq_tokens, seq_tokens)
             result[f"{name}_s_tg{n_seq}_tokens_per_s"] = round(n_seq * seq_tokens / t_tg, 1)

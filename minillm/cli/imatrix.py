@@ -22,7 +22,7 @@ import click
 import typer
 from typer.core import TyperCommand
 
-from .common import print_error
+from .common import load_model, print_error
 from .models import takes_model
 from ..errors import MinillmError
 
@@ -219,7 +219,6 @@ def _imatrix(model, file, out, output_format, in_files, show_statistics, n_ctx, 
         raise MinillmError("computing an importance matrix needs MODEL, the .gguf file to run over the text")
     from tqdm import tqdm
 
-    from .app import load_model
     from ..quality.imatrix import compute_imatrix
 
     copies: list[str] = []

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from .common import err
+from .common import err, print_table
 
 HF_REPO = typer.Option(None, "-hf", "--hf-repo", metavar="REPO[:QUANT]", show_default=False,
                        help="A model on the Hugging Face Hub, downloaded once into its cache. QUANT picks the "
@@ -82,15 +82,8 @@ def ls_command(as_json: bool = typer.Option(False, "--json", help="Print one JSO
     if not models:
         err("no models yet: `minillm pull REPO[:QUANT]` downloads one")
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(box=None, pad_edge=False)
-    for column in ("model", "file", "size", "architecture", "quantization", "last used"):
-        table.add_column(column, justify="right" if column == "size" else "left")
-    for m in models:
-        table.add_row(m.ref(), m.file, _size(m.size), m.architecture, m.quantization, _ago(m.last_used))
-    Console().print(table)
+    print_table([[m.ref(), m.file, _size(m.size), m.architecture, m.quantization, _ago(m.last_used)] for m in models],
+                ["model", "file", "size", "architecture", "quantization", "last used"], right=(2,))
 
 
 def rm_command(

@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from .common import err
-from .generate import CACHE_TYPE_K, CACHE_TYPE_V, CTX, DRAFT, DRAFT_MAX, DRAFT_MIN, DRAFT_P_MIN, MODEL, THREADS
+from .options import CACHE_TYPE_K, CACHE_TYPE_V, CTX, DRAFT, DRAFT_MAX, DRAFT_MIN, DRAFT_P_MIN, MODEL, THREADS
 from ..errors import MinillmError
 from .models import takes_model
 

@@ -40,11 +40,11 @@ class EvalRow:
 
 
 def _decode_speed(model, n_gen: int = 64) -> float:
-    from ..cli.bench import _time_decode
+    from ..timing import time_decode
 
     rng = np.random.default_rng(0)
     model.eval(rng.integers(0, model.n_vocab, size=4), model.new_cache(8))   # warm
-    return round(n_gen / min(_time_decode(model, rng, n_gen) for _ in range(2)), 2)
+    return round(n_gen / min(time_decode(model, rng, n_gen) for _ in range(2)), 2)
 
 
 def _bits_per_weight(path) -> float:
