@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from .common import error_message
@@ -92,10 +95,10 @@ class Chat:
                     self.out.flush()
         except KeyboardInterrupt:
             self.out.write(" [stopped]")
-        self.out.write("\n")
-        self.out.flush()
         answer = "".join(pieces)
         self.messages.append({"role": "assistant", "content": answer})
+        self.out.write("\n")
+        self.out.flush()
         if self.verbose and last is not None:
             t = last.timings
             print(f"[{t.n_prompt} prompt tokens at {t.prompt_tokens_per_s:.1f} tok/s, {t.n_generated} "
@@ -227,32 +230,90 @@ def setup_history() -> None:
     atexit.register(save)
 
 
+class PromptInterrupts:
+    """Ctrl+C at the prompt answered at once, every time. CPython's readline waits for a key in
+    select() and runs the signal handlers only when select is interrupted: a SIGINT that lands
+    after the prompt is drawn but before select begins leaves its handler pending, and select
+    waits for the next key. Here every signal also writes a byte to a wakeup pipe
+    (signal.set_wakeup_fd); a thread reading it pokes the main thread with SIGUSR1 (a handler
+    that does nothing) while that prompt is still open, until select is interrupted and the
+    pending SIGINT handler raises KeyboardInterrupt. A poke that lands after that only restarts
+    select: one press is still one KeyboardInterrupt."""
+
+    POKES_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)  # after a SIGINT, while its prompt is open
+
+    def __init__(self):
+        self.prompt = 0         # the prompts opened so far: the latest one's number
+        self.reading = False    # the main thread is in prompt `prompt`
+
+    def read(self, read_line):
+        """read_line() at a prompt of its own number."""
+        self.prompt += 1
+        self.reading = True
+        try:
+            return read_line()
+        finally:
+            self.reading = False
+
+    def __enter__(self):
+        self._main = threading.get_ident()
+        read_end, self._write_end = os.pipe()
+        os.set_blocking(self._write_end, False)  # the C handler must never block on it
+        self._old_fd = signal.set_wakeup_fd(self._write_end, warn_on_full_buffer=False)
+        self._old_poke = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+        threading.Thread(target=self._watch, args=(read_end,), name="prompt-interrupts", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGUSR1, self._old_poke)
+        signal.set_wakeup_fd(self._old_fd)
+        os.close(self._write_end)  # the watcher reads end-of-file and leaves
+
+    def _watch(self, read_end: int) -> None:
+        with open(read_end, "rb", buffering=0) as wakeups:
+            while data := wakeups.read(64):
+                if signal.SIGINT in data:
+                    self._poke(self.prompt)
+
+    def _poke(self, prompt: int) -> None:
+        for delay in self.POKES_S:
+            time.sleep(delay)
+            if not (self.reading and self.prompt == prompt):
+                return
+            signal.pthread_kill(self._main, signal.SIGUSR1)
+
+
 def repl(chat: Chat) -> None:
     setup_history()
     chat.say('Chatting with the model. /help for commands, Ctrl+D or /exit to leave.')
     interrupted = False
-    while True:
-        try:
-            text = read_message()
-        except EOFError:
-            chat.say("")
-            return
-        except KeyboardInterrupt:
-            if interrupted:
+    with PromptInterrupts() as prompt:
+        while True:
+            try:
+                text = prompt.read(read_message)
+                interrupted = False
+                if not answer(chat, text):
+                    return
+            except EOFError:
                 chat.say("")
                 return
-            interrupted = True
-            chat.say("\n(Ctrl+C again or Ctrl+D to leave)")
-            continue
-        interrupted = False
-        if not text.strip():
-            continue
-        if text.startswith("/"):
-            if not chat.command(text):
-                return
-            continue
-        try:
-            chat.reply(text)
-        except MinillmError as exc:
-            chat.messages.pop()
-            chat.say(f"error: {error_message(exc)}")
+            except KeyboardInterrupt:  # at the prompt, or between a reply and the next prompt
+                if interrupted:
+                    chat.say("")
+                    return
+                interrupted = True
+                chat.say("\n(Ctrl+C again or Ctrl+D to leave)")
+
+
+def answer(chat: Chat, text: str) -> bool:
+    """One line from the prompt: a /command, a message to reply to, or nothing; False: leave."""
+    if not text.strip():
+        return True
+    if text.startswith("/"):
+        return chat.command(text)
+    try:
+        chat.reply(text)
+    except MinillmError as exc:
+        chat.messages.pop()
+        chat.say(f"error: {error_message(exc)}")
+    return True
