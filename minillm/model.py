@@ -38,6 +38,7 @@ class Model:
         self.device, self.device_notice = resolve_device(device)  # a notice when a GPU went unused
         self.cache_types = check_cache_types(cache_types, self.hp.head_dim)  # (K, V): -ctk, -ctv
         self.backend = load_backend(self.arch, self.device, self.cache_types, progress)  # the weights, loaded
+        self.backend.adapt_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
         self.gguf.release_pages()
         self._tokenizer = None
         self._own_template = None  # the model's chat template, compiled on first use

@@ -141,6 +141,9 @@ class Backend:
             self.layer_done(x)
         return x if len(run) else x[out_from:]
 
+    def adapt_threads(self, threads: int) -> None:
+        """Run on up to `threads` threads, as many as turn out fastest (the CPU: minillm/threads.py)."""
+
     def layer_done(self, x) -> None:
         """After each layer, with its output x (CUDA: the pass's other buffers are recycled)."""
 

@@ -3,6 +3,8 @@ architecture's compiled layer (its module's `ops` are kernels/cpu/layers.py), KV
 memory (minillm/kv_cache.py)."""
 from __future__ import annotations
 
+import os
+import time
 from contextlib import nullcontext
 
 import numpy as np
@@ -11,6 +13,7 @@ from ..kernels.cpu import ops
 from ..kernels.cpu.layers import NO_PAGING, KVView, linear, plain
 from ..kv_cache import KVCache, cache_arrays
 from ..memory import keep_freed_memory, release_compiler_pages
+from ..threads import ThreadGovernor
 from ..weights import Matrix, row_by_row
 from .base import Backend
 
@@ -23,6 +26,7 @@ class CpuBackend(Backend):
         keep_freed_memory()  # each pass's activations reuse the last pass's pages
         self.layer_function = arch.layer_function
         self.row_layers = None  # self.layers with every product computed row by row (forward_rows)
+        self.governor = None  # a ThreadGovernor (adapt_threads): the thread count of each pass
 
     # -- weights ---------------------------------------------------------------------
     def vector(self, name: str) -> np.ndarray:
@@ -52,6 +56,18 @@ class CpuBackend(Backend):
         x = self.run_layers(ids, positions, lambda il: self.cache_kv(cache, il), out_from, self.layers, cache.n_ctx)
         cache.commit(len(ids))
         return self.output_logits(x[logits_from - out_from:], self.output)
+
+    def adapt_threads(self, threads: int) -> None:
+        self.governor = None if os.environ.get("MINILLM_FIXED_THREADS") == "1" else ThreadGovernor(threads)
+
+    def run_layers(self, ids, positions, kv_of, out_from: int, layers, n_ctx: int):
+        if self.governor is None:
+            return super().run_layers(ids, positions, kv_of, out_from, layers, n_ctx)
+        threads = self.governor.choose(len(ids))
+        t0 = time.perf_counter()
+        x = super().run_layers(ids, positions, kv_of, out_from, layers, n_ctx)
+        self.governor.record(len(ids), threads, time.perf_counter() - t0)
+        return x
 
     @staticmethod
     def cache_kv(cache, il: int) -> tuple:
