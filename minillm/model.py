@@ -26,7 +26,9 @@ class Model:
     """A loaded model. `logits(ids)` evaluates a fresh sequence."""
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, progress=None, device: str = "cpu",
-                 cache_types: tuple[str, str] = F16_CACHE):
+                 cache_types: tuple[str, str] = F16_CACHE, on_compile=None):
+        """on_compile: as warm_up's, for the kernels that compile while the weights load (the
+        products of the model's formats, on a first run)."""
         t0 = time.perf_counter()
         release_compiler_pages()  # the compiler is initialized (by the imports): drop it before the weights
         self.path = resolve_model(path)  # a file, or REPO[:QUANT] fetched from the hub
@@ -37,7 +39,7 @@ class Model:
         self.hp = self.arch.hp
         self.device, self.device_notice = resolve_device(device)  # a notice when a GPU went unused
         self.cache_types = check_cache_types(cache_types, self.hp.head_dim)  # (K, V): -ctk, -ctv
-        self.backend = load_backend(self.arch, self.device, self.cache_types, progress)  # the weights, loaded
+        self.backend = load_backend(self.arch, self.device, self.cache_types, progress, on_compile)  # the weights
         self.backend.adapt_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
         self.gguf.release_pages()
         self._tokenizer = None

@@ -1,12 +1,15 @@
 """Weight matrices ready for the kernels, built from the mapped GGUF tensors."""
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 
 from .formats import REPACK_ROWS, Format
 from .kernels.cpu import lanes
 from .kernels.cpu import layers
-from .kernels.cpu.float_products import products
+from .kernels.cpu.float_products import products, products_cached
+from .kernels.cpu.quant_products import qproducts, qproducts_cached
 from .kernels.cpu import matmul as mm
 from .kernels.cpu.ops import GGML_AVX512
 from .kernels.cpu.unpack import dequantize, superblocks, unpack
@@ -23,6 +26,32 @@ def row_by_row(packed: tuple) -> tuple:
     (kernels/cpu/matmul.py BATCH_DEPENDENT): a plain tuple, as compiled calls take it."""
     w = layers.Weights(*packed)
     return layers.plain(w._replace(row_by_row=True) if w.product in mm.BATCH_DEPENDENT else w)
+
+
+def product_id(fmt: Format, n_rows: int) -> int:
+    """How llama.cpp's x86 backend sums a quantized matrix of n_rows rows (matmul.PRODUCT_*):
+    its format's product, or the repacked one where llama.cpp repacks the matrix."""
+    repacked = fmt.repacked_product and n_rows % REPACK_ROWS == 0 and (GGML_AVX512 or not fmt.repacked_on_avx512_only)
+    return mm.PRODUCT_IDS[fmt.repacked_product if repacked else fmt.product]
+
+
+def prepare_products(shapes, on_compile=None) -> None:
+    """Compile (or load) the products' C functions for matrices of these (format, rows) before
+    they are packed: inside on_compile() when any must compile (a first run), so that a caller
+    can show it."""
+    float_formats = {_FLOAT_FORMATS[fmt.name] for fmt, _ in shapes if not fmt.quantized} | {None}
+    quantized = {product_id(fmt, rows) for fmt, rows in shapes if fmt.quantized}
+    ready = all(map(products_cached, float_formats)) and all(map(qproducts_cached, quantized))
+    with nullcontext() if ready or on_compile is None else on_compile():
+        for fmt in float_formats:
+            products(fmt)
+        for product in quantized:
+            qproducts(product)
+
+
+def with_product(packed: layers.Weights, product: int) -> layers.Weights:
+    """Quantized weights summed by another product (matmul.PRODUCT_*) of the same layout."""
+    return packed._replace(product=product, **dict(zip(("product_fn", "rows3_fn"), qproducts(product))))
 
 
 class Matrix:
@@ -46,12 +75,9 @@ class Matrix:
             return
         pack = self._pack_lanes if fmt.product == "lanes" else self._pack_tiles
         data, scale, bias, offset, bits, sb = pack(fmt, raw, n_rows, n_cols, release or (lambda r0, r1: None))
-        repacked = (fmt.repacked_product and n_rows % REPACK_ROWS == 0
-                    and (GGML_AVX512 or not fmt.repacked_on_avx512_only))
-        product = fmt.repacked_product if repacked else fmt.product
+        product = product_id(fmt, n_rows)
         self.packed = layers.Weights(data, scale, bias, offset, bits, _NO_FLOATS, n_rows, fmt.group,
-                                     mm.KIND_IDS[fmt.activation], 0, sb, mm.PRODUCT_IDS[product], False,
-                                     *products(None))
+                                     mm.KIND_IDS[fmt.activation], 0, sb, product, False, *qproducts(product))
 
     @staticmethod
     def _chunks(fmt, raw, n_rows, n_cols, release):

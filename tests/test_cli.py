@@ -146,6 +146,44 @@ def test_first_run_knows_it_compiles(tiny_llama, tmp_path):
     assert kernels_cached("m.warm_up()") == "True"
 
 
+def test_warm_compiles_ahead_and_loads_only_the_models_own_products(tiny_llama):
+    """`minillm warm MODEL` readies a model's kernels (one line on stderr, nothing on stdout);
+    a model loads the product kernels of its own formats only (Q8_0: the 32-block lanes')."""
+    out = run("warm", str(tiny_llama))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "" and "ready: tiny.gguf (llama, KV cache f16/f16)" in out.stderr
+    probe = ("import sys, minillm; from minillm.kernels.cpu import quant_products as q; minillm.load(sys.argv[1]); "
+             "print(sorted(source.__name__ for source in q._compiled))")
+    loaded = subprocess.run([sys.executable, "-c", probe, str(tiny_llama)], capture_output=True, text=True, timeout=600)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split() == ["['_lanes',", "'_lanes3']"]
+
+
+def test_the_products_compile_inside_on_compile_when_they_are_not_cached(monkeypatch):
+    """A first run's product kernels compile while the weights load, inside the caller's
+    on_compile (the CLI's notice), once for all of them; cached, they load without it."""
+    from contextlib import contextmanager
+
+    from minillm import weights
+    from minillm.formats import FORMATS_BY_NAME
+
+    entered, asked = [], []
+
+    @contextmanager
+    def on_compile():
+        entered.append(True)
+        yield
+
+    shapes = {(FORMATS_BY_NAME["Q4_K"], 64), (FORMATS_BY_NAME["Q8_0"], 64), (FORMATS_BY_NAME["Q8_0"], 60)}
+    monkeypatch.setattr(weights, "qproducts", lambda product: asked.append(product) or (0, 0))
+    monkeypatch.setattr(weights, "qproducts_cached", lambda product: False)
+    weights.prepare_products(shapes, on_compile)
+    assert entered == [True] and sorted(asked) == sorted({weights.product_id(f, rows) for f, rows in shapes})
+    monkeypatch.setattr(weights, "qproducts_cached", lambda product: True)
+    weights.prepare_products(shapes, on_compile)
+    assert entered == [True]
+
+
 def test_compile_progress_names_what_compiles():
     """A first run says it compiles and counts Numba's compilations as they finish."""
     import numba

@@ -209,14 +209,14 @@ def test_q2_k_as_llama_cpp_repacks_it():
     per fma (the bits against llama.cpp: test_architectures' qwen3-q2_k on such a host). On
     every host: both stay within float rounding of the dequantized product, and row by row
     (the scheduler's rows) every row is the gemv's, as if alone."""
-    from minillm.weights import row_by_row
+    from minillm.weights import row_by_row, with_product
 
     fmt = FORMATS_BY_NAME["Q2_K"]
     rng = np.random.default_rng(5)
     n_rows, cols = 64, 512
     raw = random_blocks("Q2_K", n_rows, cols, rng)
     packed = Matrix("w", fmt, raw, n_rows, cols).packed
-    repacked = packed._replace(product=mm.PRODUCT_K_LANES_8X8)
+    repacked = with_product(packed, mm.PRODUCT_K_LANES_8X8)
     x = rng.standard_normal((6, cols)).astype(np.float32)  # rows 0-3: the gemm; 4-5: the gemv
     batch = layers.linear(repacked, x)
     alone = np.concatenate([layers.linear(repacked, x[t:t + 1]) for t in range(6)])

@@ -78,6 +78,22 @@ def products(fmt: int | None) -> tuple[int, int]:
     return tuple(f.address for f in _compiled[fmt])
 
 
+def products_cached(fmt: int | None) -> bool:
+    """Whether products(fmt) loads its C functions without compiling them."""
+    return cfuncs_cached(_SOURCES[fmt], _compiled.get(fmt) is not None)
+
+
+def cfuncs_cached(sources, loaded: bool) -> bool:
+    """Whether the C functions of these Python sources are loaded already or in Numba's on-disk
+    cache for the current source (its index read as Numba reads it: CpuBackend.kernels_cached)."""
+    from numba.core.caching import FunctionCache
+
+    try:
+        return loaded or all(FunctionCache(source)._cache_file._load_index() for source in sources)
+    except (AttributeError, OSError):  # another Numba version: assume the worst, say we compile
+        return False
+
+
 def _caller(c_sig):
     """An intrinsic call(address, *args) of a C function of signature c_sig (a cfunc's: each
     argument by value as Numba's data model holds it), the arguments checked against it."""

@@ -23,10 +23,8 @@ from .attention_q import attention_quantized, hadamard_rotated, rotation_size, s
 from .f16 import f16_round
 from .float_matmul import FLOAT_BF16, FLOAT_F16, FLOAT_F32, PARALLEL_MIN
 from .float_products import call_product, call_rows3
-from .k_quants import qmatmul_k_lanes
-from .lanes import qmatmul_lanes, qmatmul_lanes3
-from .matmul import (KIND_Q8_1, PRODUCT_K_LANES, PRODUCT_K_LANES_8X8, PRODUCT_LANES, PRODUCT_LANES_BLOCKS, PRODUCT_Q4_K,
-                     PRODUCT_Q6_K, qmatmul_q4_k, qmatmul_q6_k, quantize_act)
+from .matmul import KIND_Q8_1, PRODUCT_LANES, PRODUCT_LANES_BLOCKS, quantize_act
+from .quant_products import call_lanes3, call_qproduct
 
 
 
@@ -47,14 +45,15 @@ class Weights(NamedTuple):
     sb: np.ndarray            # K-quants: each super-block's d and dmin, tiled
     product: int              # how llama.cpp's x86 backend sums it (matmul.PRODUCT_*)
     row_by_row: bool          # each batch row multiplied as if alone (where the sums follow the batch size)
-    float_product: int        # the float products' C functions (float_products.products): addresses, so
-    float_rows3: int          # that one compiled layer serves every model
+    product_fn: int           # its product's C function (float_products.products, quant_products.qproducts)
+    rows3_fn: int             # and its several matrices' one (the float and lanes formats'): addresses, so
+                              # that one compiled layer serves every model
 
 
 # a Weights field's index in the plain tuple, for compiled code
-W_DATA, W_OFFSET, W_BITS, W_FWEIGHT, W_N_ROWS, W_KIND, W_FLOAT_FORMAT, W_PRODUCT, W_FLOAT_ROWS3 = (
+W_DATA, W_OFFSET, W_BITS, W_FWEIGHT, W_N_ROWS, W_KIND, W_FLOAT_FORMAT, W_PRODUCT, W_ROWS3_FN = (
     Weights._fields.index(name) for name in ("data", "offset", "bits", "fweight", "n_rows", "kind", "float_format",
-                                             "product", "float_rows3"))
+                                             "product", "rows3_fn"))
 
 
 class Paging(NamedTuple):
@@ -161,22 +160,15 @@ def _same_input(w1, w2):
 def _apply(w, x, act):
     """out (T, N) = x @ W.T with act = _activations(W, x), x = _float_input(W, x) for float weights."""
     (data, scale, bias, offset, bits, fweight, n_rows, group, kind, float_format, sb, product, row_by_row,
-     float_product, _) = w
+     product_fn, _) = w
     T = x.shape[0]
     out = np.empty((T, n_rows), np.float32)
     if kind < 0:
-        call_product(float_product, fweight, np.ascontiguousarray(x), float_format, out)
+        call_product(product_fn, fweight, np.ascontiguousarray(x), float_format, out)
         return out
     q, d16, s16, n16, d32, s32, n32, n4 = act
-    if product == PRODUCT_LANES or product == PRODUCT_LANES_BLOCKS:
-        qmatmul_lanes(data, bits, kind == KIND_Q8_1, offset, product == PRODUCT_LANES_BLOCKS, q, d32, s32, n4, out)
-    elif product == PRODUCT_Q4_K:  # integer scales: int8 bytes in the float32 slots
-        qmatmul_q4_k(data, scale.view(np.int8), bias.view(np.int8), sb, q, d32, n32, row_by_row, out)
-    elif product == PRODUCT_Q6_K:
-        qmatmul_q6_k(data, scale.view(np.int8), sb, q, d32, n4, n16, row_by_row, out)
-    elif product == PRODUCT_K_LANES or product == PRODUCT_K_LANES_8X8:
-        qmatmul_k_lanes(data, scale.view(np.int8), bias.view(np.int8), sb, bits == 4, offset, q, d32, n4, n16,
-                        row_by_row, product == PRODUCT_K_LANES_8X8, out)
+    call_qproduct(product_fn, data, scale, bias, sb, offset, bits, 1 if kind == KIND_Q8_1 else 0,
+                  1 if row_by_row else 0, q, d32, s32, n4, n16, n32, out)
     return out
 
 
@@ -203,8 +195,8 @@ def _lanes3(w1, w2, w3, n_mats, x):
     T = x.shape[0]
     o1, o2 = np.empty((T, w1[W_N_ROWS]), np.float32), np.empty((T, w2[W_N_ROWS]), np.float32)
     o3 = np.empty((T, w3[W_N_ROWS] if n_mats == 3 else 0), np.float32)
-    qmatmul_lanes3(w1[W_DATA], w2[W_DATA], w3[W_DATA], w1[W_BITS], w1[W_KIND] == KIND_Q8_1, w1[W_OFFSET],
-                   w1[W_PRODUCT] == PRODUCT_LANES_BLOCKS, q, d32, s32, n4, o1, o2, o3)
+    call_lanes3(w1[W_ROWS3_FN], w1[W_DATA], w2[W_DATA], w3[W_DATA], w1[W_BITS], 1 if w1[W_KIND] == KIND_Q8_1 else 0,
+                w1[W_OFFSET], q, d32, s32, n4, o1, o2, o3)
     return o1, o2, o3
 
 
@@ -221,7 +213,7 @@ def _float_token_products(w1, w2, w3, n_mats, x):
     fw1, fw2, fw3, fmt = w1[W_FWEIGHT], w2[W_FWEIGHT], w3[W_FWEIGHT], w1[W_FLOAT_FORMAT]
     o1, o2 = np.empty((1, fw1.shape[0]), np.float32), np.empty((1, fw2.shape[0]), np.float32)
     o3 = np.empty((1, fw3.shape[0] if n_mats == 3 else 0), np.float32)
-    call_rows3(w1[W_FLOAT_ROWS3], fw1, fw2, fw3, n_mats, xr, fmt, o1, o2, o3)
+    call_rows3(w1[W_ROWS3_FN], fw1, fw2, fw3, n_mats, xr, fmt, o1, o2, o3)
     return o1, o2, o3
 
 

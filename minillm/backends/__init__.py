@@ -49,12 +49,13 @@ def resolve_device(device: str) -> tuple[str, str | None]:
     return "cuda", None
 
 
-def load_backend(arch, device: str, cache_types: tuple[str, str], progress=None) -> Backend:
-    """The architecture's weights loaded on device ("cpu" or "cuda", as resolve_device gives)."""
+def load_backend(arch, device: str, cache_types: tuple[str, str], progress=None, on_compile=None) -> Backend:
+    """The architecture's weights loaded on device ("cpu" or "cuda", as resolve_device gives);
+    kernels that must compile first (the CPU's products, on a first run) inside on_compile()."""
     if device == "cuda":
         from .cuda import CudaBackend
 
         return CudaBackend(arch, cache_types, progress)
     from .cpu import CpuBackend
 
-    return CpuBackend(arch, cache_types, progress)
+    return CpuBackend(arch, cache_types, progress, on_compile)

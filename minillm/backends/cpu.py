@@ -14,14 +14,15 @@ from ..kernels.cpu.layers import NO_PAGING, KVView, linear, plain
 from ..kv_cache import KVCache, cache_arrays
 from ..memory import keep_freed_memory, release_compiler_pages
 from ..threads import ThreadGovernor
-from ..weights import Matrix, row_by_row
+from ..weights import Matrix, prepare_products, row_by_row
 from .base import Backend
 
 
 class CpuBackend(Backend):
     device = "cpu"
 
-    def __init__(self, arch, cache_types: tuple[str, str], progress=None):
+    def __init__(self, arch, cache_types: tuple[str, str], progress=None, on_compile=None):
+        prepare_products(self._matrix_shapes(arch), on_compile)
         super().__init__(arch, cache_types, progress)
         keep_freed_memory()  # each pass's activations reuse the last pass's pages
         self.layer_function = arch.layer_function
@@ -29,6 +30,17 @@ class CpuBackend(Backend):
         self.governor = None  # a ThreadGovernor (adapt_threads): the thread count of each pass
 
     # -- weights ---------------------------------------------------------------------
+    @staticmethod
+    def _matrix_shapes(arch) -> set:
+        """(format, rows) of every matrix load_weights packs (the output, each layer's)."""
+        gguf = arch.gguf
+        output = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
+        sources = [(output, None)] + [source for il in range(arch.hp.n_layer) for source in arch.layer_sources(il)
+                                      if source is not None]
+        infos = [(gguf.tensors[name], rows) for name, rows in sources]
+        return {(info.format, rows[1] - rows[0] if rows else info.shape[1]) for info, rows in infos
+                if len(info.shape) == 2}
+
     def vector(self, name: str) -> np.ndarray:
         return self.arch.vector(name)
 

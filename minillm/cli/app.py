@@ -22,11 +22,11 @@ app = typer.Typer(
 
 def _register_commands() -> None:
     """Every command, in the order `minillm --help` lists them."""
-    from . import chat, generate, imatrix, info, measure, models, quantize, serve, tokenize
+    from . import chat, generate, imatrix, info, measure, models, quantize, serve, tokenize, warm
 
     for register in (info.register, measure.register_bench, generate.register, chat.register, serve.register,
                      quantize.register, imatrix.register, tokenize.register, models.register,
-                     measure.register_perplexity):
+                     measure.register_perplexity, warm.register):
         register(app)
 
 

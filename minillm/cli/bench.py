@@ -15,7 +15,7 @@ from ..timing import time_decode, time_prefill
 def run_bench(path, n_prompt: int, n_gen: int, reps: int, threads, on_compile=None, device: str = "cpu",
               cache_types=F16_CACHE, depth: int = 0) -> dict:
     t0 = time.perf_counter()
-    model = Model(path, threads=threads, device=device, cache_types=cache_types)
+    model = Model(path, threads=threads, device=device, cache_types=cache_types, on_compile=on_compile)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     n_ctx = max(n_prompt, n_gen) + 1
@@ -43,7 +43,7 @@ def run_parallel_bench(path, levels: list[int], n_prompt: int, n_gen: int, threa
     sequence a step (S_TG = N * n_gen / t_tg); greedy, end tokens ignored. With reps > 1 the
     levels run in turn reps times and each level reports its median times: a machine whose
     speed drifts over minutes then weighs on every level alike."""
-    model = Model(path, threads=threads, device=device)
+    model = Model(path, threads=threads, device=device, on_compile=on_compile)
     model.warm_up(on_compile)
     rng = np.random.default_rng(0)
     result = {"model": model.path.name, "device": model.device, "threads": model.threads, "n_prompt": n_prompt,

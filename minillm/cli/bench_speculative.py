@@ -50,7 +50,7 @@ SETS = {"copy": COPY, "open": OPEN}
 
 
 def load(path, threads=None, on_compile=None) -> Model:
-    model = Model(path, threads=threads)
+    model = Model(path, threads=threads, on_compile=on_compile)
     model.warm_up(on_compile)
     return model
 

@@ -58,7 +58,7 @@ def load_model(path: Path, threads: Optional[int], device: str, cache_types: Opt
     from ..model import Model
 
     try:
-        m = Model(path, threads=threads, device=device, cache_types=cache_types or F16_CACHE)
+        m = Model(path, threads=threads, device=device, cache_types=cache_types or F16_CACHE, on_compile=compile_notice)
         if m.device_notice:
             err(f"notice: {m.device_notice}")
         m.warm_up(on_compile=compile_notice)
