@@ -1,6 +1,8 @@
 """Weight matrices ready for the kernels, built from the mapped GGUF tensors."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from contextlib import nullcontext
 
 import numpy as np
@@ -35,23 +37,67 @@ def product_id(fmt: Format, n_rows: int) -> int:
     return mm.PRODUCT_IDS[fmt.repacked_product if repacked else fmt.product]
 
 
+def product_kinds(shapes) -> tuple[set, set]:
+    """(the quantized product ids, the float formats, None included) of matrices of these
+    (format, rows): whose C functions a model's matrices call."""
+    float_formats = {_FLOAT_FORMATS[fmt.name] for fmt, _ in shapes if not fmt.quantized} | {None}
+    return {product_id(fmt, rows) for fmt, rows in shapes if fmt.quantized}, float_formats
+
+
+def products_ready(quantized, float_formats) -> bool:
+    """Whether these products' C functions load without compiling (see product_kinds)."""
+    return all(map(qproducts_cached, quantized)) and all(map(products_cached, float_formats))
+
+
+def compile_products(quantized, float_formats) -> None:
+    """Compile (or load) these products' C functions (see product_kinds)."""
+    for fmt in float_formats:
+        products(fmt)
+    for product in quantized:
+        qproducts(product)
+
+
 def prepare_products(shapes, on_compile=None) -> None:
     """Compile (or load) the products' C functions for matrices of these (format, rows) before
     they are packed: inside on_compile() when any must compile (a first run), so that a caller
     can show it."""
-    float_formats = {_FLOAT_FORMATS[fmt.name] for fmt, _ in shapes if not fmt.quantized} | {None}
-    quantized = {product_id(fmt, rows) for fmt, rows in shapes if fmt.quantized}
-    ready = all(map(products_cached, float_formats)) and all(map(qproducts_cached, quantized))
-    with nullcontext() if ready or on_compile is None else on_compile():
-        for fmt in float_formats:
-            products(fmt)
-        for product in quantized:
-            qproducts(product)
+    kinds = product_kinds(shapes)
+    with nullcontext() if on_compile is None or products_ready(*kinds) else on_compile():
+        compile_products(*kinds)
+
+
+class ProductsElsewhere:
+    """A first run's products compiled in another process (compile_products), while this one
+    compiles the layer: two cores, two compilers. `join` waits for it; whatever it did not
+    finish (it failed, or was killed) compiles here when its matrices get their addresses. It
+    ends with this process (Linux's parent-death signal)."""
+
+    def __init__(self, shapes):
+        quantized, float_formats = product_kinds(shapes)
+        code = ("import ctypes, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "  # PR_SET_PDEATHSIG
+                "from minillm.weights import compile_products; "
+                "compile_products({int(a) for a in sys.argv[1].split()}, "
+                "{None if a == '-' else int(a) for a in sys.argv[2].split()})")
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code, " ".join(map(str, quantized)),
+             " ".join("-" if f is None else str(f) for f in float_formats)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def join(self) -> None:
+        self.process.wait()
+
+
+def with_products(packed: tuple) -> tuple:
+    """A matrix's plain Weights with the addresses of its products' C functions (compiled or
+    loaded now): for matrices packed while they compiled elsewhere (Matrix(addresses=False))."""
+    w = layers.Weights(*packed)
+    product_fn, rows3_fn = products(w.float_format) if w.kind < 0 else qproducts(w.product)
+    return layers.plain(w._replace(product_fn=product_fn, rows3_fn=rows3_fn))
 
 
 def with_product(packed: layers.Weights, product: int) -> layers.Weights:
     """Quantized weights summed by another product (matmul.PRODUCT_*) of the same layout."""
-    return packed._replace(product=product, **dict(zip(("product_fn", "rows3_fn"), qproducts(product))))
+    return layers.Weights(*with_products(packed._replace(product=product)))
 
 
 class Matrix:
@@ -62,22 +108,26 @@ class Matrix:
     mins as int8, and super-block scales `sb`;
     F32, F16, BF16 -> the file's bits as uint16 (n_rows, n_cols or 2 * n_cols for F32)."""
 
-    def __init__(self, name: str, fmt: Format, raw: np.ndarray, n_rows: int, n_cols: int, release=None):
+    def __init__(self, name: str, fmt: Format, raw: np.ndarray, n_rows: int, n_cols: int, release=None,
+                 addresses: bool = True):
         """raw (n_rows, row_bytes) uint8; release(r0, r1), if given, is told when rows r0..r1 of
-        raw have been read (the loader drops their mapped pages)."""
+        raw have been read (the loader drops their mapped pages). addresses=False: the products'
+        addresses left 0, for with_products to fill in once they are compiled."""
         self.name, self.format = name, fmt
         self.n_rows, self.n_cols = n_rows, n_cols
         if not fmt.quantized:  # the file's bits, as uint16 for every float format (layers.Weights.fweight)
             weight = np.ascontiguousarray(raw).view(np.uint16).copy()
             float_format = _FLOAT_FORMATS[fmt.name]
             self.packed = layers.Weights(_NO_BYTES, _NO_SCALES, _NO_SCALES, 0, 0, weight, n_rows, 0, -1,
-                                         float_format, _NO_SCALES, 0, False, *products(float_format))
+                                         float_format, _NO_SCALES, 0, False,
+                                         *(products(float_format) if addresses else (0, 0)))
             return
         pack = self._pack_lanes if fmt.product == "lanes" else self._pack_tiles
         data, scale, bias, offset, bits, sb = pack(fmt, raw, n_rows, n_cols, release or (lambda r0, r1: None))
         product = product_id(fmt, n_rows)
         self.packed = layers.Weights(data, scale, bias, offset, bits, _NO_FLOATS, n_rows, fmt.group,
-                                     mm.KIND_IDS[fmt.activation], 0, sb, product, False, *qproducts(product))
+                                     mm.KIND_IDS[fmt.activation], 0, sb, product, False,
+                                     *(qproducts(product) if addresses else (0, 0)))
 
     @staticmethod
     def _chunks(fmt, raw, n_rows, n_cols, release):

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import cuda_env
 
 from minillm.kernels.cpu.lazy_cache import elf_defined_symbols
@@ -230,3 +232,34 @@ def test_each_backend_recompiles_only_for_its_own_sources(tmp_path, monkeypatch)
     cpu, gpu = digests()
     (kernels / "cpu" / "ops.py").write_text("X = 2\n")
     assert digests()[0] != cpu and digests()[1] != gpu
+
+
+@pytest.mark.parametrize("warm_up_first", [True, False])
+def test_a_first_runs_products_compile_in_another_process_beside_the_layer(monkeypatch, warm_up_first):
+    """On a first run with two cores the products compile in a second process while this one
+    compiles the layer (here both are cached, so each only loads): the matrices pack without
+    addresses, get them once that process is done (at warm_up, or at a pass before it), and
+    the logits are those of a model loaded the usual way."""
+    import numpy as np
+
+    from conftest import loaded_model, model_path
+    from minillm.backends import cpu
+    from minillm.model import Model
+
+    compiled_for = []
+    monkeypatch.setattr(cpu, "_layer_cached", lambda layer_function: False)
+    monkeypatch.setattr(cpu, "products_ready", lambda quantized, float_formats: False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    model = Model(model_path("smollm2"))
+    backend = model.backend
+    assert backend._products_elsewhere is not None and backend.output[-2:] == (0, 0)
+    real_compile = backend.layer_function.compile
+    monkeypatch.setattr(backend.layer_function, "compile", lambda sig: compiled_for.append(sig) or real_compile(sig))
+    if warm_up_first:
+        model.warm_up()
+        assert len(compiled_for) == 1
+    ids = np.array([1, 504, 3458, 314])
+    logits = model.eval(ids, model.new_cache(8), logits_from=0)
+    assert backend._products_elsewhere is None and all(backend.output[-2:])
+    assert np.array_equal(logits, loaded_model("smollm2").eval(ids, loaded_model("smollm2").new_cache(8), logits_from=0))
+    assert len(backend.layer_function.overloads) == 1  # compiled for the types the passes use

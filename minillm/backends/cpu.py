@@ -14,7 +14,8 @@ from ..kernels.cpu.layers import NO_PAGING, KVView, linear, plain
 from ..kv_cache import KVCache, cache_arrays
 from ..memory import keep_freed_memory, release_compiler_pages
 from ..threads import ThreadGovernor
-from ..weights import Matrix, prepare_products, row_by_row
+from ..weights import (Matrix, ProductsElsewhere, prepare_products, product_kinds, products_ready, row_by_row,
+                       with_products)
 from .base import Backend
 
 
@@ -22,7 +23,15 @@ class CpuBackend(Backend):
     device = "cpu"
 
     def __init__(self, arch, cache_types: tuple[str, str], progress=None, on_compile=None):
-        prepare_products(self._matrix_shapes(arch), on_compile)
+        shapes = self._matrix_shapes(arch)
+        # a first run on several cores: the products compile in another process while warm_up
+        # compiles the layer here; else here, now (loaded from the cache when they are there)
+        self._products_elsewhere = None
+        if ((os.cpu_count() or 1) > 1 and not _layer_cached(arch.layer_function)
+                and not products_ready(*product_kinds(shapes))):
+            self._products_elsewhere = ProductsElsewhere(shapes)
+        else:
+            prepare_products(shapes, on_compile)
         super().__init__(arch, cache_types, progress)
         keep_freed_memory()  # each pass's activations reuse the last pass's pages
         self.layer_function = arch.layer_function
@@ -50,7 +59,8 @@ class CpuBackend(Backend):
         info = gguf.tensors[name]
         r0, r1 = rows or (0, info.shape[1])
         matrix = Matrix(name, info.format, gguf.raw(name)[r0:r1], r1 - r0, info.shape[0],
-                        release=lambda a, b: gguf.release_pages(name, (r0 + a, r0 + b)))
+                        release=lambda a, b: gguf.release_pages(name, (r0 + a, r0 + b)),
+                        addresses=self._products_elsewhere is None)
         gguf.release_pages(name)
         return plain(matrix.packed)
 
@@ -72,7 +82,27 @@ class CpuBackend(Backend):
     def adapt_threads(self, threads: int) -> None:
         self.governor = None if os.environ.get("MINILLM_FIXED_THREADS") == "1" else ThreadGovernor(threads)
 
+    def _products_here(self) -> None:
+        """Wait for the products compiled elsewhere, and give every matrix their addresses (in
+        place: a forward pass holds self.layers already)."""
+        self._products_elsewhere.join()
+        self._products_elsewhere = None
+        self.output = with_products(self.output)
+        for il, layer in enumerate(self.layers):
+            self.layers[il] = tuple(with_products(w) if isinstance(w, tuple) else w for w in layer)
+
+    def _layer_types(self) -> tuple:
+        """The types of the warm-up pass's layer arguments: the layer compiles for them before
+        anything runs (while the products compile elsewhere)."""
+        cache = self.new_cache(2)
+        positions = cache.reserve(1)
+        x, tables, positions = self.upload(self.step_inputs(np.zeros(1, np.int64), positions, cache.n_ctx))
+        args = (x, self.layers[0], positions, self.cache_kv(cache, 0), 0, *self.arch.layer_args(0, tables))
+        return tuple(self.layer_function.typeof_pyval(a) for a in args)
+
     def run_layers(self, ids, positions, kv_of, out_from: int, layers, n_ctx: int):
+        if self._products_elsewhere is not None:  # a pass before warm_up
+            self._products_here()
         if self.governor is None:
             return super().run_layers(ids, positions, kv_of, out_from, layers, n_ctx)
         threads = self.governor.choose(len(ids))
@@ -131,6 +161,9 @@ class CpuBackend(Backend):
         compiles the kernels (minutes), inside on_compile() when given."""
         compiling = on_compile() if on_compile is not None and not self.kernels_cached() else nullcontext()
         with compiling:
+            if self._products_elsewhere is not None:
+                self.layer_function.compile(self._layer_types())
+                self._products_here()
             self.forward(np.zeros(1, np.int64), self.new_cache(2), 0)
         release_compiler_pages()
 
@@ -139,7 +172,12 @@ class CpuBackend(Backend):
         architecture's layer function for the current source. Numba has no public call for
         this: its cache index is read the way Numba itself reads it (empty when the file is
         missing or the source changed since)."""
-        try:
-            return bool(self.layer_function._cache._cache_file._load_index())
-        except (AttributeError, OSError):  # another Numba version: assume the worst, say we compile
-            return False
+        return _layer_cached(self.layer_function)
+
+
+def _layer_cached(layer_function) -> bool:
+    """CpuBackend.kernels_cached for a layer function."""
+    try:
+        return bool(layer_function._cache._cache_file._load_index())
+    except (AttributeError, OSError):  # another Numba version: assume the worst, say we compile
+        return False
