@@ -81,6 +81,7 @@ _compiled: dict = {}  # source function -> its cfunc
 
 def _cfunc(sig, source):
     if source not in _compiled:
+        _launch_threads()  # (their code links against the threading layer's symbols: float_products.products)
         _compiled[source] = nb.cfunc(sig, cache=True, nogil=True)(source)
     return _compiled[source]
 
@@ -89,7 +90,6 @@ def qproducts(product: int) -> tuple[int, int]:
     """The addresses of the (product, three-matrix product) C functions of a product id
     (matmul.PRODUCT_*), compiled (or loaded from the cache) on first request and kept for the
     life of the process."""
-    _launch_threads()  # (their code links against the threading layer's symbols: float_products.products)
     product_source, lanes3_source = _SOURCES[product]
     return _cfunc(QPRODUCT, product_source).address, _cfunc(LANES3, lanes3_source).address
 
