@@ -52,12 +52,14 @@ class Session:
             if self.cache.wrapped:
                 reuse = 0
                 self.cache.clear()
-            else:
-                self.cache.truncate(reuse)
+            else:  # recurrent state: back to a snapshot there, or to the start
+                reuse = self.cache.truncate(reuse)
             del self.tokens[reuse:]
         logits = self.model.eval(ids[reuse:], self.cache, logits_from=len(ids) - reuse - 1,
                                  batch_size=self.batch_size)
         self.tokens.extend(ids[reuse:])
+        if self.cache.recurrent is not None:  # the next prompt may share this one whole
+            self.cache.recurrent.save(len(self.tokens))
         self.n_evaluated = len(ids) - reuse
         return logits[-1]
 
@@ -136,6 +138,7 @@ def beam_search(model, prompt_ids: list[int], max_tokens: int, n_beams: int, n_c
                 ignore_eos: bool = False) -> tuple[list[int], float]:
     """The most likely continuation (sum of token log-probabilities) among n_beams beams; each
     beam has its own KV cache. Returns (tokens, log-probability). Not streamed."""
+    model.backend.check_supports("beams")
     session = Session(model, n_ctx=n_ctx)
     prompt_ids = session.check_prompt(list(prompt_ids), truncate=False)
     eog = set() if ignore_eos else session.tokenizer.eog_ids

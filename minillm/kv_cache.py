@@ -89,11 +89,12 @@ class CacheGroup:
 
 
 class KVCache:
-    """Keys and values for every layer; `layer_groups[il]` names the group of layer il."""
+    """Keys and values for every layer; `layer_groups[il]` names the group of layer il (None: a
+    recurrent layer, whose memory is `recurrent`'s instead)."""
 
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, group_sizes: dict[str, int],
-                 layer_groups: list[str], n_keep: int = 0, windows: dict[str, int] | None = None,
-                 cache_types: tuple[str, str] = F16_CACHE):
+                 layer_groups: list[str | None], n_keep: int = 0, windows: dict[str, int] | None = None,
+                 cache_types: tuple[str, str] = F16_CACHE, recurrent=None):
         # sinks only matter where attention is unlimited; windowed groups never see them
         windows = windows or {}
         self.groups = {name: CacheGroup(size, min(n_keep, size // 2) if name == "global" else 0,
@@ -103,15 +104,16 @@ class KVCache:
         # per layer: (S, Hkv, D) uint16, float16 bit patterns (llama.cpp's F16 cache), or
         # (S, Hkv, D/32 * block bytes) uint8 for q8_0/q4_0; S = its group's size
         self.cache_types = cache_types
-        rows = [group_sizes[g] for g in layer_groups]
+        rows = [group_sizes[g] if g else 0 for g in layer_groups]
         self.k = cache_arrays(rows, n_head_kv, head_dim, cache_types[0])
         self.v = cache_arrays(rows, n_head_kv, head_dim, cache_types[1])
+        self.recurrent = recurrent  # a RecurrentState (recurrent_state.py), or None
         self.n_past = 0      # tokens evaluated so far: the next token's logical position
         self._slots = {}     # group -> slots of the batch being evaluated
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.k + self.v)
+        return sum(a.nbytes for a in self.k + self.v) + (self.recurrent.nbytes if self.recurrent else 0)
 
     @property
     def n_ctx(self) -> int:
@@ -125,6 +127,9 @@ class KVCache:
     def reserve(self, n: int) -> np.ndarray:
         """Positions of the next n tokens; computes each group's slots for them."""
         positions = np.arange(self.n_past, self.n_past + n, dtype=np.int64)
+        if self.recurrent is not None and self.n_past + n > self.n_ctx:
+            raise MinillmError(f"the context of {self.n_ctx} tokens is full: a model with recurrent layers cannot "
+                               f"drop its oldest tokens to go on; raise n_ctx", ("n_ctx",))
         for name, group in self.groups.items():
             if n > group.n_slots - group.n_keep:
                 raise ValueError(f"a batch of {n} tokens does not fit the {name} cache ring")
@@ -141,26 +146,42 @@ class KVCache:
         return plain(Paging(np.zeros(n_rows, np.int64), np.zeros((1, 1), np.int64), -1, group.n_slots))
 
     def layer(self, il: int):
-        """(k (S, Hkv, D), v (S, Hkv, D), its CacheGroup, slots of this batch) for layer il."""
-        name = self.layer_groups[il]
+        """(k (S, Hkv, D), v (S, Hkv, D), its CacheGroup, slots of this batch) for layer il (a
+        recurrent layer: empty k and v, the global group, its slots)."""
+        name = self.layer_groups[il] or "global"
         return self.k[il], self.v[il], self.groups[name], self._slots[name]
 
-    def truncate(self, n: int) -> None:
-        """Forget every token at position >= n (to re-evaluate from there)."""
+    def truncate(self, n: int) -> int:
+        """Forget every token at position >= n (to re-evaluate from there); the tokens kept: n,
+        or, where recurrent state has no snapshot at n, 0 (every token evaluated again)."""
         if self.wrapped and n < self.n_past:
             raise ValueError("cannot rewind a cache whose ring has wrapped")
-        self.rewind(n)
+        if self.recurrent is not None and n < self.n_past and not self.recurrent.restore(n):
+            n = 0
+            self.recurrent.clear()
+        self._forget(n)
+        return n
 
     def headroom(self) -> int:
-        """Tokens that can be evaluated and then taken back with rewind (speculative decoding)."""
+        """Tokens that can be evaluated and then taken back with rewind (speculative decoding;
+        none where recurrent state cannot be taken back)."""
+        if self.recurrent is not None:
+            return 0
         return min(g.headroom(self.n_past) for g in self.groups.values())
 
     def rewind(self, n: int) -> None:
         """Forget the tokens at positions >= n: any n before the ring wraps, or the last few
         tokens evaluated within headroom()."""
+        if self.recurrent is not None and n < self.n_past:
+            raise ValueError("recurrent state cannot be rewound: truncate to a snapshot instead")
+        self._forget(n)
+
+    def _forget(self, n: int) -> None:
         for group in self.groups.values():
             group.kv_pos[group.kv_pos >= n] = -1
         self.n_past = min(self.n_past, n)
 
     def clear(self) -> None:
         self.truncate(0)
+        if self.recurrent is not None:
+            self.recurrent.clear()

@@ -51,6 +51,10 @@ CASES = {
     "llama-q5_k_m": dict(arch="llama", fmt="Q5_K", formats={"attn_v": "Q6_K", "ffn_down": "Q6_K"}),
     "qwen2-q3_k_m": dict(arch="qwen2", fmt="Q3_K", formats={"attn_v": "Q5_K", "ffn_down": "Q4_K"}),
     "qwen3-q2_k": dict(arch="qwen3", fmt="Q2_K", formats={"attn_v": "Q3_K", "ffn_down": "Q3_K"}),
+    # three gated delta-net layers, then gated attention with partial IMROPE (a fourth section)
+    "qwen35": dict(arch="qwen35", fmt="Q8_0", n_layer=4, rope_dims=16,
+                   formats={"ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ssm_alpha": "F32", "ssm_beta": "F32"},
+                   keys={"rope.dimension_sections": [3, 3, 1, 1]}),
     "granite": dict(arch="granite", fmt="Q4_1",
                     keys={"logit_scale": 8.0, "residual_scale": 0.22, "embedding_scale": 12.0,
                           "attention.scale": 0.0078125}),

@@ -60,7 +60,11 @@ ARCH_EXTRAS = {
     "phi3": (FUSED_QKV, FUSED_UP),
     "gemma2": ("post_attention_norm", "post_ffw_norm"),
     "gemma3": ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"),
+    "qwen35": (),  # its own layers (SyntheticModel.add_qwen35_layer)
 }
+# Qwen3.5's gated delta net in the small models: Hk key heads and Hv value heads of S values,
+# a convolution of Kc, attention every INTERVAL-th layer
+QWEN35_SSM = dict(S=64, Hk=2, Hv=4, Kc=4, interval=4)
 
 
 class SyntheticModel:
@@ -73,12 +77,14 @@ class SyntheticModel:
     def __init__(self, arch: str, fmt: str, seed: int = 0, n_layer: int = 2, n_embd: int = 256,
                  n_head: int = 4, n_head_kv: int = 2, head_dim: int = 64, n_ff: int = 512,
                  n_vocab: int = 300, window: int = 8, formats: dict | None = None, keys: dict | None = None,
-                 rope_dims: int | None = None, extra_tensors: dict | None = None, vocab: bool = False):
+                 rope_dims: int | None = None, extra_tensors: dict | None = None, vocab: bool = False,
+                 ssm: dict | None = None):
         self.arch, self.fmt = arch, fmt
         self.n_layer, self.n_embd, self.n_head, self.n_head_kv = n_layer, n_embd, n_head, n_head_kv
         self.head_dim, self.n_ff, self.n_vocab, self.window = head_dim, n_ff, n_vocab, window
         self.formats, self.keys = formats or {}, keys or {}
         self.rope_dims, self.extra_tensors, self.vocab = rope_dims, extra_tensors or {}, vocab
+        self.ssm = dict(QWEN35_SSM, **(ssm or {}))
         self.rng = np.random.default_rng(seed)
         self.tensors: dict[str, tuple[np.ndarray, str, tuple]] = {}
         self.values: dict[str, np.ndarray] = {}
@@ -116,6 +122,9 @@ class SyntheticModel:
             self.tensors[name] = (np.asarray(values, np.float32), "F32", (len(values),))
         for il in range(self.n_layer):
             p = f"blk.{il}."
+            if self.arch == "qwen35":
+                self.add_qwen35_layer(il)
+                continue
             self.add_norm(p + "attn_norm.weight", E)
             if FUSED_QKV in extras:
                 self.add(p + "attn_qkv.weight", q_dim + 2 * kv_dim, E)
@@ -138,6 +147,38 @@ class SyntheticModel:
                     self.add_norm(p + extra + ".weight", D if extra.startswith(("attn_q", "attn_k")) else E)
         return self
 
+    def add_qwen35_layer(self, il: int) -> None:
+        """A gated delta-net layer, or every INTERVAL-th a gated attention layer; SwiGLU FFN."""
+        E, F, D = self.n_embd, self.n_ff, self.head_dim
+        ssm, p = self.ssm, f"blk.{il}."
+        S, Hk, Hv, Kc = ssm["S"], ssm["Hk"], ssm["Hv"], ssm["Kc"]
+        self.add_norm(p + "attn_norm.weight", E)
+        if (il + 1) % ssm["interval"]:
+            channels = 2 * Hk * S + Hv * S
+            self.add(p + "attn_qkv.weight", channels, E)
+            self.add(p + "attn_gate.weight", Hv * S, E)
+            self.add(p + "ssm_beta.weight", Hv, E)
+            self.add(p + "ssm_alpha.weight", Hv, E)
+            self.add(p + "ssm_out.weight", E, Hv * S)
+            conv = (0.3 * self.rng.standard_normal((channels, Kc))).astype(np.float32)
+            self.tensors[p + "ssm_conv1d.weight"] = (conv, "F32", (channels, Kc))
+            self.values[p + "ssm_conv1d.weight"] = conv
+            self.add_bias(p + "ssm_dt.bias", Hv)
+            a = -(0.5 + 1.5 * self.rng.random(Hv)).astype(np.float32)
+            self.tensors[p + "ssm_a"], self.values[p + "ssm_a"] = (a, "F32", (Hv,)), a
+            self.add_norm(p + "ssm_norm.weight", S)
+        else:
+            self.add(p + "attn_q.weight", 2 * self.n_head * D, E)
+            self.add(p + "attn_k.weight", self.n_head_kv * D, E)
+            self.add(p + "attn_v.weight", self.n_head_kv * D, E)
+            self.add(p + "attn_output.weight", E, self.n_head * D)
+            self.add_norm(p + "attn_q_norm.weight", D)
+            self.add_norm(p + "attn_k_norm.weight", D)
+        self.add_norm(p + "post_attention_norm.weight", E)
+        self.add(p + "ffn_gate.weight", F, E)
+        self.add(p + "ffn_up.weight", F, E)
+        self.add(p + "ffn_down.weight", E, F)
+
     def write(self, path: Path) -> Path:
         w = gguf.GGUFWriter(str(path), self.arch)
         a = self.arch
@@ -155,6 +196,12 @@ class SyntheticModel:
             w.add_uint32(f"{a}.rope.dimension_count", self.rope_dims)
         if a in ("gemma3", "gemma2"):
             w.add_uint32(f"{a}.attention.sliding_window", self.window)
+        if a == "qwen35":
+            ssm = self.ssm
+            for key, value in (("conv_kernel", ssm["Kc"]), ("state_size", ssm["S"]), ("group_count", ssm["Hk"]),
+                               ("time_step_rank", ssm["Hv"]), ("inner_size", ssm["Hv"] * ssm["S"])):
+                w.add_uint32(f"{a}.ssm.{key}", value)
+            w.add_uint32(f"{a}.full_attention_interval", ssm["interval"])
         for key, value in self.keys.items():
             if isinstance(value, bool):
                 w.add_bool(f"{a}.{key}", value)
@@ -162,6 +209,8 @@ class SyntheticModel:
                 w.add_uint32(f"{a}.{key}", value)
             elif isinstance(value, float):
                 w.add_float32(f"{a}.{key}", value)
+            elif isinstance(value, list):
+                w.add_array(f"{a}.{key}", value)
             else:
                 w.add_string(f"{a}.{key}", value)
         if self.vocab:

@@ -23,7 +23,8 @@ from .attention_q import attention_quantized, hadamard_rotated, rotation_size, s
 from .f16 import f16_round
 from .float_matmul import FLOAT_BF16, FLOAT_F16, FLOAT_F32, PARALLEL_MIN
 from .float_products import call_product, call_rows3
-from .matmul import KIND_Q8_1, PRODUCT_LANES, PRODUCT_LANES_BLOCKS, quantize_act
+from .delta_net import conv_silu, decay_and_beta, gated_delta_net, gated_norm, l2_heads, sigmoid_gated  # noqa: F401
+from .matmul import KIND_Q8_1, PRODUCT_LANES, PRODUCT_LANES_BLOCKS, R, quantize_act
 from .quant_products import call_lanes3, call_qproduct
 
 
@@ -82,6 +83,10 @@ def plain(fields: tuple) -> tuple:
 
 
 NO_PAGING = plain(Paging(np.zeros(0, np.int64), np.zeros((0, 0), np.int64), -1, 0))
+# a matrix slot a layer leaves empty: zero rows, of a float matrix's types
+_NO_SCALES = np.zeros((0, 0, R), np.float32)
+NO_WEIGHTS = Weights(np.zeros(0, np.uint8), _NO_SCALES, _NO_SCALES, 0, 0, np.zeros((0, 0), np.uint16), 0, 0, -1,
+                     FLOAT_F32, _NO_SCALES, 0, False, 0, 0)
 
 _SPLIT_BF16 = np.float32(65537.0)  # 2^(24-8) + 1: keeps bfloat16's 8 significant bits
 
@@ -324,6 +329,12 @@ def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, s
     if q_scale != 1:
         q *= q_scale
     return attend(q, k, v, positions, kv, window, kq_scale, softcap, n_heads, n_kv_heads, head_dim)
+
+
+@nb.njit(**_SER)
+def first_halves(x, n_heads, head_dim):
+    """The first head_dim values of each head of x (T, n_heads*2*head_dim): (T, n_heads*head_dim)."""
+    return x.reshape(x.shape[0], n_heads, 2 * head_dim)[:, :, :head_dim].copy().reshape(x.shape[0], n_heads * head_dim)
 
 
 @nb.njit(**_SER)

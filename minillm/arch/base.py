@@ -14,6 +14,7 @@ from ..gguf_file import GGUFFile
 from ..kernels.cpu import ops
 from ..kernels.cpu.unpack import dequantize
 MAX_LAYERS = 512
+NO_MATRIX = "no matrix"  # a layer_sources entry: a matrix slot this layer leaves empty (zero rows)
 MAX_WIDTH = 1 << 16
 MAX_HEADS = 1024
 
@@ -134,6 +135,10 @@ class Transformer:
 
     # the module's own keys beyond COMMON_KEYS
     handled_keys: frozenset = frozenset()
+    # 2-D F32 layer tensors the layer reads as their values (array()) rather than as a product's
+    array_tensors: tuple = ()
+    # what this architecture does not run yet: feature -> what it is (Backend.check_supports)
+    unsupported: dict = {}
 
     def __init__(self, gguf: GGUFFile):
         self.gguf = gguf
@@ -258,7 +263,7 @@ class Transformer:
             for suffix, shape in self.optional_layer_tensors(il).items():
                 expected[f"blk.{il}.{suffix}"] = shape
         for name in self.gguf.tensors:
-            if name not in expected:
+            if name not in expected and not self.ignored_tensor(name):
                 raise UnsupportedError(f"tensor '{name}' is not one minillm's {self.name} module computes with: "
                                  f"refusing rather than ignoring it")
         for name, shape in expected.items():
@@ -274,6 +279,10 @@ class Transformer:
                 raise ModelError(f"tensor '{name}': row length {shape[0]} is not a multiple of 32")
             if len(shape) == 1 and info.format.name != "F32":
                 raise ModelError(f"tensor '{name}' must be F32, not {info.format.name}")
+
+    def ignored_tensor(self, name: str) -> bool:
+        """A tensor the file may hold that the module knowingly leaves unread."""
+        return False
 
     def features(self) -> list[str]:
         """What the file asks of the arithmetic beyond the plain architecture (minillm info)."""
@@ -313,6 +322,12 @@ class Transformer:
             sources.append((name, None) if name in self.gguf.tensors else None)
         return sources
 
+    def array(self, name: str) -> np.ndarray:
+        """A 2-D F32 tensor's values, row after row (rows * row length,) float32 (its layer
+        reshapes it: the slot is a vector where the layer has no such tensor)."""
+        rows = self.gguf.tensors[name].shape[1]
+        return self.gguf.read_rows(name, np.arange(rows)).view(np.float32).reshape(-1).copy()
+
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """(T, E) float32 rows of token_embd, dequantized exactly as ggml_get_rows."""
         info = self.gguf.tensors["token_embd.weight"]
@@ -323,6 +338,11 @@ class Transformer:
     def cache_layout(self, n_ctx: int, n_batch: int) -> tuple[dict[str, int], list[str]]:
         """Cache group sizes and each layer's group: by default one context-sized group."""
         return {"global": n_ctx}, ["global"] * self.hp.n_layer
+
+    def recurrent_shapes(self):
+        """(the recurrent layers, a conv state's shape, a state matrices' shape), or None: a
+        model whose every layer keeps a KV cache."""
+        return None
 
     def cache_windows(self) -> dict[str, int]:
         """The sliding window of each cache group's layers (absent: none)."""

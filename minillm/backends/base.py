@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..arch.base import NO_MATRIX
 from ..errors import MinillmError
 
 NO_VECTOR = np.zeros(0, np.float32)  # an optional vector (a bias, a norm) the file lacks
@@ -22,6 +23,10 @@ NO_VECTOR = np.zeros(0, np.float32)  # an optional vector (a bias, a norm) the f
 
 class NotOnThisBackend(MinillmError):
     """A feature the chosen device does not run yet."""
+
+
+class NotForThisModel(MinillmError):
+    """A feature the model's architecture does not run yet."""
 
 
 class Backend:
@@ -42,7 +47,11 @@ class Backend:
         self.load_weights(progress)
 
     def check_supports(self, feature: str) -> None:
-        """Raise NotOnThisBackend if `feature` (a key of `missing`) does not run here."""
+        """Raise NotOnThisBackend if `feature` (a key of `missing`) does not run here, or
+        NotForThisModel if the architecture does not run it yet (its `unsupported`)."""
+        if feature in self.arch.unsupported:
+            raise NotForThisModel(f"{self.arch.unsupported[feature]} does not run {self.arch.name} models yet "
+                                  f"(their recurrent layers' state)")
         if feature in self.missing:
             raise NotOnThisBackend(f"{self.missing[feature]} does not run on {self.device} yet: use device='cpu'")
 
@@ -59,10 +68,14 @@ class Backend:
             for source in arch.layer_sources(il):
                 if source is None:  # an optional vector the file lacks: the layer sees it empty
                     layer.append(NO_VECTOR)
-                    continue
-                name, rows = source
-                one_d = len(arch.gguf.tensors[name].shape) == 1
-                layer.append(self.vector(name) if one_d else self.matrix(name, rows))
+                elif source is NO_MATRIX:
+                    layer.append(self.no_matrix())
+                elif len(arch.gguf.tensors[source[0]].shape) == 1:
+                    layer.append(self.vector(source[0]))
+                elif source[0].endswith(arch.array_tensors):
+                    layer.append(arch.array(source[0]))
+                else:
+                    layer.append(self.matrix(*source))
             self.layers.append(tuple(layer))
             if progress:
                 progress(il + 1, self.hp.n_layer)
@@ -73,6 +86,10 @@ class Backend:
     def matrix(self, name: str, rows: tuple[int, int] | None = None):
         """The tensor's matrix in the form the layers take, or rows [r0, r1) of it."""
         raise NotImplementedError
+
+    def no_matrix(self):
+        """An empty matrix slot (NO_MATRIX), of the type the layers take matrices in."""
+        raise NotOnThisBackend(f"{self.arch.name} models do not run on {self.device} yet: use device='cpu'")
 
     # -- caches and forward passes ----------------------------------------------------
     def new_cache(self, n_ctx: int, n_keep: int = 0, batch_size: int = 512):

@@ -10,12 +10,14 @@ from contextlib import nullcontext
 import numpy as np
 
 from ..kernels.cpu import ops
-from ..kernels.cpu.layers import NO_PAGING, KVView, linear, plain
+from ..kernels.cpu.layers import NO_PAGING, NO_WEIGHTS, KVView, linear, plain
 from ..kv_cache import KVCache, cache_arrays
+from ..recurrent_state import RecurrentState
 from ..memory import keep_freed_memory, release_compiler_pages
 from ..threads import ThreadGovernor
 from ..weights import (Matrix, ProductsElsewhere, prepare_products, product_kinds, products_ready, row_by_row,
                        with_products)
+from ..arch.base import NO_MATRIX
 from .base import Backend
 
 
@@ -45,8 +47,8 @@ class CpuBackend(Backend):
         gguf = arch.gguf
         output = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
         sources = [(output, None)] + [source for il in range(arch.hp.n_layer) for source in arch.layer_sources(il)
-                                      if source is not None]
-        infos = [(gguf.tensors[name], rows) for name, rows in sources]
+                                      if source is not None and source is not NO_MATRIX]
+        infos = [(gguf.tensors[name], rows) for name, rows in sources if not name.endswith(arch.array_tensors)]
         return {(info.format, rows[1] - rows[0] if rows else info.shape[1]) for info, rows in infos
                 if len(info.shape) == 2}
 
@@ -64,12 +66,16 @@ class CpuBackend(Backend):
         gguf.release_pages(name)
         return plain(matrix.packed)
 
+    def no_matrix(self) -> tuple:
+        return plain(NO_WEIGHTS)
+
     # -- caches and forward passes ----------------------------------------------------
     def new_cache(self, n_ctx: int, n_keep: int = 0, batch_size: int = 512) -> KVCache:
         hp, arch = self.hp, self.arch
         sizes, layout = arch.cache_layout(n_ctx, min(batch_size, n_ctx))
+        recurrent = arch.recurrent_shapes()
         return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, sizes, layout, n_keep, arch.cache_windows(),
-                       self.cache_types)
+                       self.cache_types, RecurrentState(*recurrent) if recurrent else None)
 
     def forward(self, ids: np.ndarray, cache, logits_from: int) -> np.ndarray:
         positions = cache.reserve(len(ids))
@@ -113,9 +119,13 @@ class CpuBackend(Backend):
 
     @staticmethod
     def cache_kv(cache, il: int) -> tuple:
-        """Layer il's KVView of one sequence's cache, as the CPU layers take it (a plain tuple)."""
+        """Layer il's KVView of one sequence's cache, as the CPU layers take it (a plain tuple);
+        with recurrent layers, (KVView, conv state, state matrices), empty where il has none."""
         kc, vc, group, slots = cache.layer(il)
-        return plain(KVView(kc, vc, group.kv_pos, slots, group.n_keep, NO_PAGING))
+        view = plain(KVView(kc, vc, group.kv_pos, slots, group.n_keep, NO_PAGING))
+        if cache.recurrent is None:
+            return view
+        return (view, *cache.recurrent.layer(il))
 
     def pool_arrays(self, row_counts: list[int], cache_type: str) -> list[np.ndarray]:
         """In huge pages: a step's rows walk every layer's cells (attention 0.8x the time)."""

@@ -8,8 +8,9 @@
 # compression tools the record_*.py scripts run: llama-quantize, llama-perplexity, llama-imatrix.
 #   tests/llama_ref/build.sh [WORKDIR]    ->  WORKDIR/dump, WORKDIR/llama-bench, ...
 #   tests/llama_ref/build.sh --cflags     ->  the flags added to the native C and C++ flags
-#   tests/llama_ref/build.sh --avx2 [WORKDIR]  ->  WORKDIR/llama-bench-avx2: ggml built for AVX2
-#       (FMA, F16C) and nothing newer, the peer of minillm compiled for AVX2 on the same CPU
+#   tests/llama_ref/build.sh --avx2 [WORKDIR]  ->  WORKDIR/llama-bench-avx2 and dump-avx2: ggml built
+#       for AVX2 (FMA, F16C) and nothing newer, the peer of minillm compiled for AVX2 on the same CPU
+#       (record_archs.py --avx2 records the AVX2 build's reference with it)
 #       (docs/performance.md, "Benchmarking the AVX2 build on an AVX-512 machine")
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -34,9 +35,11 @@ if [ -n "$avx2" ]; then
     cmake -S "$src" -B "$src/build-avx2" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
         -DGGML_CCACHE=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
         -DGGML_BMI2=ON -DLLAMA_BUILD_TESTS=OFF > cmake-avx2.log
-    cmake --build "$src/build-avx2" -j"$(nproc)" --target llama-bench > build-avx2.log
+    cmake --build "$src/build-avx2" -j"$(nproc)" --target llama llama-bench > build-avx2.log
     ln -sf "$src/build-avx2/bin/llama-bench" "$work/llama-bench-avx2"
-    echo "built $work/llama-bench-avx2"
+    g++ -O2 -std=c++17 "$here/dump.cpp" -I"$src/include" -I"$src/ggml/include" -L"$src/build-avx2/bin" \
+        -lllama -lggml -lggml-base -Wl,-rpath,"$src/build-avx2/bin" -o "$work/dump-avx2"
+    echo "built $work/llama-bench-avx2 and $work/dump-avx2"
     exit 0
 fi
 cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_FLAGS="$isa" -DCMAKE_CXX_FLAGS="$isa" \

@@ -1,7 +1,9 @@
 """Record llama.cpp's logits and greedy tokens on the small models of tests/arch_cases.py into
 tests/data/arch_reference.npz (run from the repository root, after build.sh):
 
-    python tests/llama_ref/record_archs.py /tmp/llama_ref
+    python tests/llama_ref/record_archs.py [--avx2] /tmp/llama_ref [CASE ...]   (default: every case)
+
+--avx2: with build.sh --avx2's dump-avx2, as ggml's AVX2 build computes them (on any x86 CPU).
 
 Per case: the sha256 of the GGUF file, the logits after the prompt batch and after each single
 token (N_DECODE + 1, V), and N_GREEDY greedy tokens after the prompt alone. The logits and tokens
@@ -29,15 +31,17 @@ def dump(binary: Path, model: Path, ids, n_prompt: int, out: Path, greedy: int =
                    env=env, check=True, capture_output=True)
 
 
-def main(workdir: str) -> None:
+def main(workdir: str, names: list[str], avx2: bool = False) -> None:
     from minillm.kernels.cpu.ops import ggml_build  # the build of ggml llama.cpp runs (this CPU's)
 
-    binary = Path(workdir) / "dump"
-    build = ggml_build(bf16=True)
+    binary = Path(workdir) / ("dump-avx2" if avx2 else "dump")
+    build = "avx2" if avx2 else ggml_build(bf16=True)
     out = Path(__file__).resolve().parent.parent / "data" / "arch_reference.npz"
-    record = {k: v for k, v in np.load(out).items() if not k.startswith(build + "/")} if out.exists() else {}
+    names = names or list(arch_cases.CASES)
+    record = ({k: v for k, v in np.load(out).items() if not any(k.startswith(f"{build}/{n}/") for n in names)}
+              if out.exists() else {})
     with tempfile.TemporaryDirectory() as tmp:
-        for name in arch_cases.CASES:
+        for name in names:
             path = arch_cases.build(name).write(Path(tmp) / f"{name}.gguf")
             ids = arch_cases.token_ids(name)
             dump(binary, path, ids, arch_cases.N_PROMPT, Path(tmp) / "out")
@@ -55,4 +59,5 @@ def main(workdir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/llama_ref")
+    args = [a for a in sys.argv[1:] if a != "--avx2"]
+    main(args[0] if args else "/tmp/llama_ref", args[1:], avx2="--avx2" in sys.argv[1:])

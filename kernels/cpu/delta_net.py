@@ -1,0 +1,181 @@
+"""The recurrent layers' kernels (Qwen3.5's gated delta net), as ggml's CPU ops compute them.
+
+Shapes: T tokens in the batch, C convolution channels (the q, k and v projections side by side),
+Kc the convolution's width, Hk key heads and Hv value heads of S values each (keys and values
+have the same head size), E embedding width.
+
+The state a sequence carries from token to token, per recurrent layer:
+    conv  (C, Kc - 1)   the last Kc - 1 inputs of each channel's causal convolution
+    ssm   (Hv, S, S)    each value head's state matrix, transposed as ggml keeps it: ssm[h, j, i]
+                        is S[i][j], so that row j (column j of S) is contiguous
+"""
+import math
+
+import numba as nb
+import numpy as np
+
+from .fma import fma
+from .ops import v_expf
+from .simd import dot_f16_32, dot_f16_64
+from .target import GGML_AVX512, SIMD_WIDTH
+
+_PAR = dict(parallel=True, cache=True, nogil=True)
+_SER = dict(cache=True, nogil=True)
+_ONE = np.float32(1.0)
+DOT_STEP = 64 if GGML_AVX512 else 32  # ggml_vec_dot_f32's values a step (GGML_F32_STEP)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _dot(a, a_at, b, b_at, n):
+    """ggml_vec_dot_f32 of a[a_at:a_at+n] and b[b_at:b_at+n] (1-D float32): its SIMD
+    accumulators over whole steps, then the rest one by one (fused, as compiled)."""
+    n_simd = n - n % DOT_STEP
+    if DOT_STEP == 64:
+        total = dot_f16_64(a, a_at, b, b_at, n_simd)
+    else:
+        total = dot_f16_32(a, a_at, b, b_at, n_simd)
+    for i in range(n_simd, n):
+        total = fma(a[a_at + i], b[b_at + i], total)
+    return total
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _silu_row(x, t, n):
+    """ggml_vec_silu_f32 of row t in place: SIMD_WIDTH at a time with ggml_v_expf, the rest
+    with libm's expf."""
+    n_simd = n - n % SIMD_WIDTH
+    for j in range(n_simd):
+        v = x[t, j]
+        x[t, j] = v / (_ONE + v_expf(np.float32(0.0) - v))
+    for j in range(n_simd, n):
+        v = x[t, j]
+        x[t, j] = v / (_ONE + np.float32(math.exp(-v)))
+
+
+@nb.njit(**_PAR)
+def conv_silu(x, conv_state, weights):
+    """The causal convolution of each channel over its last Kc inputs (ggml_ssm_conv: a float
+    sum from 0, product by product), then SiLU (ggml_silu, row by row); conv_state takes the last
+    Kc - 1 inputs. x (T, C) -> (T, C); conv_state (C, Kc - 1) in place; weights (C*Kc,), the
+    (C, Kc) tensor's values."""
+    T, C = x.shape
+    Kc = weights.size // C
+    weight = weights.reshape(C, Kc)
+    out = np.empty_like(x)
+    for c in nb.prange(C):
+        for t in range(T):
+            total = np.float32(0.0)
+            for i in range(Kc):
+                at = t + i  # in the channel's inputs: its state, then this batch's
+                value = conv_state[c, at] if at < Kc - 1 else x[at - (Kc - 1), c]
+                total = fma(value, weight[c, i], total)
+            out[t, c] = total
+        for i in range(Kc - 1):  # the last Kc - 1 inputs, for the next batch
+            at = T + i
+            conv_state[c, i] = conv_state[c, at] if at < Kc - 1 else x[at - (Kc - 1), c]
+    for t in nb.prange(T):
+        _silu_row(out, t, C)
+    return out
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _l2_row(x, t, at, n, eps, scale):
+    """ggml_rms_norm(x, eps) of x[t, at:at+n] (a float64 sum of squares), then ggml_scale."""
+    total = 0.0
+    for j in range(n):
+        v = x[t, at + j]
+        total += np.float64(v * v)
+    mean = np.float32(total / n)
+    inv = _ONE / np.float32(math.sqrt(mean + eps))
+    for j in range(n):
+        x[t, at + j] = (x[t, at + j] * inv) * scale
+
+
+@nb.njit(**_SER)
+def l2_heads(x, at, n_heads, S, eps):
+    """Qwen3.5's L2 norm of each head of x[:, at:at + n_heads*S] in place: rms_norm with
+    eps / S, times 1/sqrt(S) (float32, as llama.cpp's build_gdn_l2_norm)."""
+    eps_n = np.float32(np.float32(eps) / np.float32(S))
+    scale = _ONE / np.float32(math.sqrt(np.float32(S)))
+    for t in range(x.shape[0]):
+        for h in range(n_heads):
+            _l2_row(x, t, at + h * S, S, eps_n, scale)
+
+
+@nb.njit(**_SER)
+def decay_and_beta(alpha, beta, dt_bias, a):
+    """g = softplus(alpha + dt_bias) * a (ggml_softplus: x past 20 as it is) and
+    beta = sigmoid(beta), both (T, Hv) in place."""
+    for t in range(alpha.shape[0]):
+        for h in range(alpha.shape[1]):
+            x = alpha[t, h] + dt_bias[h]
+            soft = x if x > np.float32(20.0) else np.float32(math.log(_ONE + np.float32(math.exp(x))))
+            alpha[t, h] = soft * a[h]
+            beta[t, h] = _ONE / (_ONE + np.float32(math.exp(-beta[t, h])))
+
+
+@nb.njit(**_PAR)
+def gated_delta_net(qkv, q_at, k_at, v_at, g, beta, state, n_k_heads, S):
+    """ggml_gated_delta_net, one token after the other, each value head on its own thread.
+    Per token: state *= exp(g); delta = (v - S^T k) * beta; S += k (x) delta; out = S^T q / sqrt(S).
+    qkv (T, C): q (Hk heads), k (Hk) and v (Hv) from columns q_at, k_at, v_at; value head h
+    reads key head h % Hk. g, beta (T, Hv); state (Hv, S, S) in place. -> out (T, Hv*S)."""
+    T = qkv.shape[0]
+    Hv = state.shape[0]
+    rows = qkv.reshape(-1)
+    C = qkv.shape[1]
+    out = np.empty((T, Hv * S), np.float32)
+    scale = _ONE / np.float32(math.sqrt(np.float32(S)))
+    for h in nb.prange(Hv):
+        s = state[h].reshape(-1)  # (S*S,) row j at j*S
+        kh = h % n_k_heads
+        delta = np.empty(S, np.float32)
+        for t in range(T):
+            decay = np.float32(math.exp(g[t, h]))
+            for i in range(S * S):
+                s[i] *= decay
+            k_row = t * C + k_at + kh * S
+            q_row = t * C + q_at + kh * S
+            b = beta[t, h]
+            for j in range(S):
+                delta[j] = (qkv[t, v_at + h * S + j] - _dot(s, j * S, rows, k_row, S)) * b
+            for j in range(S):
+                d = delta[j]
+                for i in range(S):
+                    s[j * S + i] = fma(rows[k_row + i], d, s[j * S + i])
+            for j in range(S):
+                out[t, h * S + j] = _dot(s, j * S, rows, q_row, S) * scale
+    return out
+
+
+@nb.njit(**_SER)
+def gated_norm(x, weight, z, eps, n_heads, S):
+    """RMS norm of each head of x (T, Hv*S) times weight (S,), times SiLU(z) (ggml_silu over
+    rows of S values): Qwen3.5's gated output norm, in place of x."""
+    T = x.shape[0]
+    gate = z.copy().reshape(T * n_heads, S)
+    for r in range(T * n_heads):
+        _silu_row(gate, r, S)
+    rows = x.reshape(T * n_heads, S)
+    for r in range(T * n_heads):
+        total = 0.0
+        for j in range(S):
+            v = rows[r, j]
+            total += np.float64(v * v)
+        mean = np.float32(total / S)
+        inv = _ONE / np.float32(math.sqrt(mean + eps))
+        for j in range(S):
+            rows[r, j] = ((rows[r, j] * inv) * weight[j]) * gate[r, j]
+    return x
+
+
+@nb.njit(**_SER)
+def sigmoid_gated(x, gate, n_heads, D):
+    """x (T, H*D) times sigmoid of the gate half of each head of gate (T, H*2D): columns
+    h*2D + D .. h*2D + 2D (ggml_sigmoid: 1 / (1 + expf(-g)))."""
+    for t in range(x.shape[0]):
+        for h in range(n_heads):
+            for d in range(D):
+                g = gate[t, h * 2 * D + D + d]
+                x[t, h * D + d] = x[t, h * D + d] * (_ONE / (_ONE + np.float32(math.exp(-g))))
+    return x

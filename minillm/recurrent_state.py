@@ -1,0 +1,56 @@
+"""A sequence's memory in its recurrent layers: fixed-size state carried from token to token.
+
+Where an attention layer keeps every token's keys and values (kv_cache.py), a recurrent layer
+(Qwen3.5's gated delta net) keeps per sequence
+    conv  (C, Kc - 1)   the last inputs of each channel's causal convolution
+    ssm   (Hv, S, S)    each value head's state matrix (kernels/cpu/delta_net.py's layout)
+whose size does not grow with the context. Such state cannot forget its last tokens: a
+sequence cut back to a prefix is cut to a snapshot taken at that prefix's end, or evaluated
+again from its start (KVCache.truncate says which).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_NO_CONV = np.zeros((0, 0), np.float32)
+_NO_SSM = np.zeros((0, 0, 0), np.float32)
+
+
+class RecurrentState:
+    def __init__(self, layers: list[int], conv_shape: tuple, ssm_shape: tuple):
+        self.conv = {il: np.zeros(conv_shape, np.float32) for il in layers}   # il -> (C, Kc-1)
+        self.ssm = {il: np.zeros(ssm_shape, np.float32) for il in layers}     # il -> (Hv, S, S)
+        self.snapshots: dict[int, tuple] = {}  # n_past -> (conv, ssm) copies at that position
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.conv.values(), *self.ssm.values()))
+
+    def layer(self, il: int) -> tuple:
+        """(conv state, state matrices) of layer il, written in place by its pass; empty arrays
+        for an attention layer."""
+        return self.conv.get(il, _NO_CONV), self.ssm.get(il, _NO_SSM)
+
+    def save(self, n_past: int, keep: int = 2) -> None:
+        """Keep a copy of the state as it is after n_past tokens (the last `keep` such copies)."""
+        self.snapshots[n_past] = ({il: a.copy() for il, a in self.conv.items()},
+                                  {il: a.copy() for il, a in self.ssm.items()})
+        for old in sorted(self.snapshots)[:-keep]:
+            del self.snapshots[old]
+
+    def restore(self, n_past: int) -> bool:
+        """Put back the state saved after n_past tokens; False (nothing changed) if none was."""
+        saved = self.snapshots.get(n_past)
+        if saved is None:
+            return False
+        for il, a in saved[0].items():
+            self.conv[il][...] = a
+        for il, a in saved[1].items():
+            self.ssm[il][...] = a
+        self.snapshots = {n: s for n, s in self.snapshots.items() if n <= n_past}
+        return True
+
+    def clear(self) -> None:
+        for a in (*self.conv.values(), *self.ssm.values()):
+            a[...] = 0
+        self.snapshots.clear()
