@@ -70,6 +70,8 @@ class Session:
         ignore_eos: keep going through end-of-generation tokens (for benchmarks). speculation:
         a speculative.Speculation that guesses tokens to verify several a pass."""
         prompt_ids = self.check_prompt(list(prompt_ids), truncate)
+        if self.cache.recurrent is not None:  # recurrent state cannot slide past the context: stop there
+            max_tokens = min(max_tokens, self.n_ctx - len(prompt_ids) + 1)
         seq = Sequence(self.tokenizer, prompt_ids, max_tokens, params, stop, ignore_eos)
         timings = seq.timings
         t0 = time.perf_counter()

@@ -89,7 +89,7 @@ VOCABS = ("llama-bpe", "qwen2", "phi-3", "refact", "starcoder", "deepseek-llm", 
 VOCAB_DIR = MODELS_DIR / "vocab"
 # pre-tokenizers the sdist has no vocabulary for: a vocabulary's file with tokenizer.ggml.pre
 # renamed, so that llama.cpp and minillm split its words with that name's regexes and flags
-DERIVED_VOCABS = {"gpt-4o": "llama-bpe", "deepseek-r1-qwen": "qwen2"}
+DERIVED_VOCABS = {"gpt-4o": "llama-bpe", "deepseek-r1-qwen": "qwen2", "qwen35": "qwen2"}
 
 
 def fetch_vocabs() -> None:

@@ -200,9 +200,12 @@ class SyntheticModel:
             ssm = self.ssm
             for key, value in (("conv_kernel", ssm["Kc"]), ("state_size", ssm["S"]), ("group_count", ssm["Hk"]),
                                ("time_step_rank", ssm["Hv"]), ("inner_size", ssm["Hv"] * ssm["S"])):
-                w.add_uint32(f"{a}.ssm.{key}", value)
+                if f"ssm.{key}" not in self.keys:  # keys: another value, or None for none
+                    w.add_uint32(f"{a}.ssm.{key}", value)
             w.add_uint32(f"{a}.full_attention_interval", ssm["interval"])
         for key, value in self.keys.items():
+            if value is None:
+                continue
             if isinstance(value, bool):
                 w.add_bool(f"{a}.{key}", value)
             elif isinstance(value, int):

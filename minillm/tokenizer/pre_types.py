@@ -15,6 +15,9 @@ LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N
           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5's: letter runs take combining marks (\p{M}) too
+QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 # DeepSeek-LLM's letter class, as hex ranges: written as characters, several of these (e.g.
 # U+2126 OHM SIGN, U+212A KELVIN SIGN) are easily swapped for their canonical equivalents.
 _DEEPSEEK_LETTER_RANGES = """
@@ -51,6 +54,7 @@ _REGEXES: dict[str, list[str]] = {
     "falcon": [r"[\p{P}\$\+<=>\^~\|`]+", GPT2, "[0-9][0-9][0-9]"],
     "llama3": [LLAMA3],
     "qwen2": [QWEN2],
+    "qwen35": [QWEN35],
     "deepseek-llm": ["[\r\n]", _DEEPSEEK_LETTERS, r"\s?[!-/:-~！-／：-～‘-‟　-。]+", r"\s+$",
                      _CJK_RUN, r"\p{N}+"],
     "deepseek-coder": ["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_RUN, r"\p{N}"],
@@ -90,6 +94,7 @@ PRE_TYPES: dict[str, PreType] = {
                       "mellum jina-v1-en jina-v2-code roberta-bpe mpt olmo jais trillion "
                       "exaone4 granite-docling"),
     **_family("qwen2", "qwen2 deepseek-r1-qwen kormo stablelm2 megrez hunyuan grok-2"),
+    **_family("qwen35", "qwen35"),
     **_family("bloom", "bloom poro-chat gpt3-finnish"),
     **_family("viking", "viking"),
     **_family("tekken", "tekken", ignore_merges=True, add_bos=True),

@@ -1,0 +1,157 @@
+"""Models with recurrent layers (Qwen3.5's gated delta nets beside attention): the state each
+sequence carries, wherever a KV cache is used, and what is refused while the state cannot do
+it. The logits themselves are checked against llama.cpp in test_architectures.py ("qwen35")."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import minillm
+from arch_cases import build
+from minillm.generate import Session, beam_search
+from minillm.sampling import SamplingParams
+from minillm.speculative import make_speculation
+from synthetic import SyntheticModel
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build("qwen35").write(tmp_path_factory.mktemp("qwen35") / "qwen35.gguf")
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    return minillm.load(model_path)
+
+
+def ids(n: int, seed: int = 0) -> list[int]:
+    return [int(i) for i in np.random.default_rng(seed).integers(3, 300, n)]
+
+
+def greedy(session: Session, prompt: list[int], n: int) -> list[int]:
+    return [c.token for c in session.generate(prompt, n, GREEDY, ignore_eos=True) if c.token is not None]
+
+
+def alone(model, prompt: list[int], n: int) -> list[int]:
+    """What a fresh session generates for the prompt: every token evaluated from the start."""
+    return greedy(Session(model, n_ctx=256), prompt, n)
+
+
+def test_the_state_carries_over_between_turns(model):
+    session = Session(model, n_ctx=256)
+    first = ids(40)
+    reply = greedy(session, first, 6)
+    # the next turn: the conversation so far (the reply's last token was never evaluated), then more
+    second = first + reply + ids(10, seed=1)
+    turn = greedy(session, second, 6)
+    assert session.n_evaluated == len(second) - len(first) - len(reply) + 1
+    assert turn == alone(model, second, 6)
+
+
+def test_a_prompt_that_departs_from_the_cache_is_evaluated_again(model):
+    session = Session(model, n_ctx=256)
+    greedy(session, ids(40), 4)
+    other = ids(40)[:25] + ids(15, seed=2)  # shares 25 tokens: no snapshot there
+    tokens = greedy(session, other, 6)
+    assert session.n_evaluated == len(other)
+    assert tokens == alone(model, other, 6)
+
+
+def test_the_state_at_a_prompts_end_is_reused(model):
+    session = Session(model, n_ctx=256)
+    prompt = ids(40)
+    greedy(session, prompt, 5)
+    retry = prompt + ids(8, seed=3)  # the same prompt, then other tokens than the reply's
+    tokens = greedy(session, retry, 6)
+    assert session.n_evaluated == 8
+    assert tokens == alone(model, retry, 6)
+
+
+def test_a_cut_back_cache_evaluates_from_its_snapshot_or_the_start(model):
+    cache = model.new_cache(64)
+    model.eval(ids(20), cache)
+    cache.recurrent.save(20)
+    model.eval(ids(5, seed=4), cache)
+    assert cache.truncate(20) == 20 and cache.n_past == 20
+    assert cache.truncate(10) == 0 and cache.n_past == 0
+    with pytest.raises(ValueError, match="rewound"):
+        model.eval(ids(3), cache)
+        cache.rewind(1)
+
+
+def test_generation_stops_at_a_full_context(model):
+    """Recurrent state cannot forget its oldest tokens: generation ends there ("length"), and
+    evaluating past the context is a clear error."""
+    chunks = list(Session(model, n_ctx=32).generate(ids(20), 30, GREEDY, ignore_eos=True))
+    assert sum(c.token is not None for c in chunks) == 13
+    assert chunks[-1].finish_reason == "length"
+    cache = model.new_cache(32)
+    model.eval(ids(30), cache)
+    with pytest.raises(minillm.MinillmError, match="context of 32 tokens is full.*n_ctx"):
+        model.eval(ids(3), cache)
+
+
+@pytest.mark.parametrize("feature", ["beams", "lookup", "scheduler", "imatrix"])
+def test_what_the_state_cannot_do_yet_is_refused_by_name(model, feature):
+    from minillm.quality.imatrix import compute_imatrix
+
+    run = {"beams": lambda: beam_search(model, ids(10), 4, 2),
+           "lookup": lambda: make_speculation(model, 256, lookup=True),
+           "scheduler": lambda: model.scheduler(),
+           "imatrix": lambda: compute_imatrix(model, "some text " * 200, "t.txt", n_ctx=64)}[feature]
+    with pytest.raises(minillm.MinillmError, match="does not run qwen35 models yet"):
+        run()
+
+
+def test_generate_and_batch_files_from_the_command_line(model_path, tmp_path):
+    cli = [sys.executable, "-m", "minillm"]
+    out = subprocess.run(cli + ["generate", str(model_path), "-p", "t1 t2 t3", "-n", "5", "--temp", "0",
+                                "--ignore-eos"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+    batch = tmp_path / "b.jsonl"
+    batch.write_text('{"prompt": "t1"}\n')
+    out = subprocess.run(cli + ["generate", str(model_path), "--batch-file", str(batch)], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode != 0
+    assert "the batching scheduler" in out.stderr and "qwen35" in out.stderr and "Traceback" not in out.stderr
+
+
+def small(**changes) -> SyntheticModel:
+    return SyntheticModel(arch="qwen35", fmt="Q8_0", n_layer=4, n_embd=64, head_dim=16, n_ff=64, n_vocab=40,
+                          rope_dims=8, **changes).build()
+
+
+@pytest.mark.parametrize("keys,drop,named", [
+    ({"ssm.state_size": None}, None, "qwen35.ssm.state_size"),
+    ({"ssm.inner_size": 100}, None, "qwen35.ssm.inner_size"),
+    ({"ssm.group_count": 3}, None, "qwen35.ssm.time_step_rank"),
+    ({"rope.dimension_sections": None}, None, "qwen35.rope.dimension_sections"),
+    ({"rope.dimension_sections": [9, 9, 9, 0]}, None, "qwen35.rope.dimension_sections"),
+    ({}, "blk.1.ssm_a", "blk.1.ssm_a"),
+    ({}, "blk.0.ssm_conv1d.weight", "blk.0.ssm_conv1d.weight"),
+    ({}, "blk.3.attn_q_norm.weight", "blk.3.attn_q_norm.weight"),
+])
+def test_a_bad_file_gets_one_error_naming_the_key_or_tensor(tmp_path, keys, drop, named):
+    m = small(keys={"rope.dimension_sections": [2, 1, 1, 0], **keys})
+    if drop:
+        del m.tensors[drop]
+    path = m.write(tmp_path / "bad.gguf")
+    with pytest.raises(minillm.MinillmError) as e:
+        minillm.load(path)
+    assert named in str(e.value)
+
+
+def test_mtp_blocks_are_left_unread(tmp_path):
+    """A file whose last block is a next-token-prediction block loads the others and runs them."""
+    m = small(keys={"rope.dimension_sections": [2, 1, 1, 0], "nextn_predict_layers": 1})
+    m.extra_tensors = {}
+    m.tensors["blk.4.nextn.eh_proj.weight"] = (np.zeros((64, 128), np.float32), "F32", (64, 128))
+    m.n_layer = 5
+    path = m.write(tmp_path / "mtp.gguf")
+    model = minillm.load(path)
+    assert model.hp.n_layer == 4
+    assert np.isfinite(model.logits(np.arange(3, 11))).all()
