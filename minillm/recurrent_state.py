@@ -2,7 +2,7 @@
 
 Where an attention layer keeps every token's keys and values (kv_cache.py), a recurrent layer
 (Qwen3.5's gated delta net) keeps per sequence
-    conv  (C, Kc - 1)   the last inputs of each channel's causal convolution
+    conv  (Kc - 1, C)   the last inputs of the channels' causal convolution
     ssm   (Hv, S, S)    each value head's state matrix (kernels/cpu/delta_net.py's layout)
 whose size does not grow with the context. Such state cannot forget its last tokens: a
 sequence cut back to a prefix is cut to a snapshot taken at that prefix's end, or evaluated
@@ -18,7 +18,7 @@ _NO_SSM = np.zeros((0, 0, 0), np.float32)
 
 class RecurrentState:
     def __init__(self, layers: list[int], conv_shape: tuple, ssm_shape: tuple):
-        self.conv = {il: np.zeros(conv_shape, np.float32) for il in layers}   # il -> (C, Kc-1)
+        self.conv = {il: np.zeros(conv_shape, np.float32) for il in layers}   # il -> (Kc-1, C)
         self.ssm = {il: np.zeros(ssm_shape, np.float32) for il in layers}     # il -> (Hv, S, S)
         self.snapshots: dict[int, tuple] = {}  # n_past -> (conv, ssm) copies at that position
 

@@ -5,7 +5,7 @@ Kc the convolution's width, Hk key heads and Hv value heads of S values each (ke
 have the same head size), E embedding width.
 
 The state a sequence carries from token to token, per recurrent layer:
-    conv  (C, Kc - 1)   the last Kc - 1 inputs of each channel's causal convolution
+    conv  (Kc - 1, C)   the last Kc - 1 inputs of the channels' causal convolution, oldest first
     ssm   (Hv, S, S)    each value head's state matrix, transposed as ggml keeps it: ssm[h, j, i]
                         is S[i][j], so that row j (column j of S) is contiguous
 """
@@ -15,8 +15,8 @@ import numba as nb
 import numpy as np
 
 from .fma import fma
-from .ops import v_expf
-from .simd import dot_f16_32, dot_f16_64
+from .ops import PARALLEL_MIN_ROWS, v_expf
+from .simd import dot_f16_32, dot_f16_64, swiglu_16
 from .target import GGML_AVX512, SIMD_WIDTH
 
 _PAR = dict(parallel=True, cache=True, nogil=True)
@@ -40,41 +40,66 @@ def _dot(a, a_at, b, b_at, n):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _silu_row(x, t, n):
-    """ggml_vec_silu_f32 of row t in place: SIMD_WIDTH at a time with ggml_v_expf, the rest
-    with libm's expf."""
+def _silu_row(row, ones):
+    """ggml_vec_silu_f32 of row (1-D) in place: SIMD_WIDTH at a time with ggml_v_expf, the rest
+    with libm's expf. ones: at least as long as row, all 1 (AVX-512: swiglu_16's vector step
+    times 1, which changes nothing)."""
+    n = row.shape[0]
     n_simd = n - n % SIMD_WIDTH
-    for j in range(n_simd):
-        v = x[t, j]
-        x[t, j] = v / (_ONE + v_expf(np.float32(0.0) - v))
+    if GGML_AVX512:
+        for j in range(0, n_simd, SIMD_WIDTH):
+            swiglu_16(row, ones, row, j)
+    else:  # branch-free: the loop vectorizes
+        for j in range(n_simd):
+            v = row[j]
+            row[j] = v / (_ONE + v_expf(np.float32(0.0) - v))
     for j in range(n_simd, n):
-        v = x[t, j]
-        x[t, j] = v / (_ONE + np.float32(math.exp(-v)))
+        v = row[j]
+        row[j] = v / (_ONE + np.float32(math.exp(-v)))
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _conv_row(x, conv_state, taps, t, ones, out):
+    """Row t of conv_silu: each tap's inputs across the channels, times its weights."""
+    Kc = taps.shape[0]
+    row = out[t]
+    row[:] = 0
+    for i in range(Kc):
+        at = t + i  # in the channels' inputs: the state's, then this batch's
+        inputs = conv_state[at] if at < Kc - 1 else x[at - (Kc - 1)]
+        tap = taps[i]
+        for c in range(row.shape[0]):
+            row[c] = fma(inputs[c], tap[c], row[c])
+    _silu_row(row, ones)
 
 
 @nb.njit(**_PAR)
+def _conv_parallel(x, conv_state, taps, ones, out):
+    for t in nb.prange(x.shape[0]):
+        _conv_row(x, conv_state, taps, t, ones, out)
+
+
+@nb.njit(**_SER)
 def conv_silu(x, conv_state, weights):
     """The causal convolution of each channel over its last Kc inputs (ggml_ssm_conv: a float
-    sum from 0, product by product), then SiLU (ggml_silu, row by row); conv_state takes the last
-    Kc - 1 inputs. x (T, C) -> (T, C); conv_state (C, Kc - 1) in place; weights (C*Kc,), the
-    (C, Kc) tensor's values."""
+    sum from 0, product by product, fused as compiled), then SiLU (ggml_silu, row by row);
+    conv_state takes the last Kc - 1 inputs. x (T, C) -> (T, C); conv_state (Kc - 1, C) in
+    place, oldest first; weights (C*Kc,), the (C, Kc) tensor's values."""
     T, C = x.shape
     Kc = weights.size // C
-    weight = weights.reshape(C, Kc)
+    taps = weights.reshape(C, Kc).T.copy()  # (Kc, C): each tap's weights across the channels
+    ones = np.ones(C, np.float32)
     out = np.empty_like(x)
-    for c in nb.prange(C):
+    if T >= PARALLEL_MIN_ROWS:
+        _conv_parallel(x, conv_state, taps, ones, out)
+    else:  # a few rows: a fork/join would cost more than the work
         for t in range(T):
-            total = np.float32(0.0)
-            for i in range(Kc):
-                at = t + i  # in the channel's inputs: its state, then this batch's
-                value = conv_state[c, at] if at < Kc - 1 else x[at - (Kc - 1), c]
-                total = fma(value, weight[c, i], total)
-            out[t, c] = total
-        for i in range(Kc - 1):  # the last Kc - 1 inputs, for the next batch
-            at = T + i
-            conv_state[c, i] = conv_state[c, at] if at < Kc - 1 else x[at - (Kc - 1), c]
-    for t in nb.prange(T):
-        _silu_row(out, t, C)
+            _conv_row(x, conv_state, taps, t, ones, out)
+    if T >= Kc - 1:
+        conv_state[:] = x[T - (Kc - 1):]
+    else:  # the state's newest inputs, then the batch's
+        conv_state[:Kc - 1 - T] = conv_state[T:].copy()
+        conv_state[Kc - 1 - T:] = x
     return out
 
 
@@ -122,29 +147,26 @@ def gated_delta_net(qkv, q_at, k_at, v_at, g, beta, state, n_k_heads, S):
     reads key head h % Hk. g, beta (T, Hv); state (Hv, S, S) in place. -> out (T, Hv*S)."""
     T = qkv.shape[0]
     Hv = state.shape[0]
-    rows = qkv.reshape(-1)
-    C = qkv.shape[1]
     out = np.empty((T, Hv * S), np.float32)
     scale = _ONE / np.float32(math.sqrt(np.float32(S)))
     for h in nb.prange(Hv):
-        s = state[h].reshape(-1)  # (S*S,) row j at j*S
         kh = h % n_k_heads
-        delta = np.empty(S, np.float32)
         for t in range(T):
             decay = np.float32(math.exp(g[t, h]))
-            for i in range(S * S):
-                s[i] *= decay
-            k_row = t * C + k_at + kh * S
-            q_row = t * C + q_at + kh * S
+            k = qkv[t, k_at + kh * S:k_at + kh * S + S]
+            q = qkv[t, q_at + kh * S:q_at + kh * S + S]
+            v = qkv[t, v_at + h * S:v_at + h * S + S]
             b = beta[t, h]
+            # ggml's passes (scale all, delta from each row, update all, read each row) touch
+            # row j only for delta[j], out[j]: here one row at a time, while it is in L1
             for j in range(S):
-                delta[j] = (qkv[t, v_at + h * S + j] - _dot(s, j * S, rows, k_row, S)) * b
-            for j in range(S):
-                d = delta[j]
+                row = state[h, j]
                 for i in range(S):
-                    s[j * S + i] = fma(rows[k_row + i], d, s[j * S + i])
-            for j in range(S):
-                out[t, h * S + j] = _dot(s, j * S, rows, q_row, S) * scale
+                    row[i] *= decay
+                d = (v[j] - _dot(row, 0, k, 0, S)) * b
+                for i in range(S):
+                    row[i] = fma(k[i], d, row[i])
+                out[t, h * S + j] = _dot(row, 0, q, 0, S) * scale
     return out
 
 
@@ -154,8 +176,9 @@ def gated_norm(x, weight, z, eps, n_heads, S):
     rows of S values): Qwen3.5's gated output norm, in place of x."""
     T = x.shape[0]
     gate = z.copy().reshape(T * n_heads, S)
+    ones = np.ones(S, np.float32)
     for r in range(T * n_heads):
-        _silu_row(gate, r, S)
+        _silu_row(gate[r], ones)
     rows = x.reshape(T * n_heads, S)
     for r in range(T * n_heads):
         total = 0.0

@@ -30,7 +30,7 @@ ops = cpu_layers  # the backend operations the layer is written in (see llama.py
 def hybrid_layer_ops(x, w, positions, kv, out_from, rope_table, eps, n_head, n_head_kv, head_dim, rope_dims,
                      kq_scale, recurrent, n_k_heads, state_size):
     """x (T, E) -> (T - out_from, E); w: the layer's tensors in Qwen35.layer_order; kv: (KV view,
-    conv state (C, Kc-1), state matrices (Hv, S, S)). llama.cpp picks the output rows after the
+    conv state (Kc-1, C), state matrices (Hv, S, S)). llama.cpp picks the output rows after the
     last layer, so every row goes through it."""
     attn_norm, post_norm, wg, wu, wd, m0, m1, m2, m3, m4, v0, v1, v2, v3, conv_w = w
     kv_view, conv_state, ssm_state = kv
@@ -197,10 +197,10 @@ class Qwen35(Transformer):
         return {"global": n_ctx}, [None if rec else "global" for rec in self.recurrent]
 
     def recurrent_shapes(self) -> tuple[list[int], tuple, tuple]:
-        """(the recurrent layers, a conv state's shape (C, Kc-1), a state matrices' (Hv, S, S))."""
+        """(the recurrent layers, a conv state's shape (Kc-1, C), a state matrices' (Hv, S, S))."""
         S, Hk, Hv = self.state_size, self.n_k_heads, self.n_v_heads
         layers = [il for il, rec in enumerate(self.recurrent) if rec]
-        return layers, (2 * Hk * S + Hv * S, self.conv_kernel - 1), (Hv, S, S)
+        return layers, (self.conv_kernel - 1, 2 * Hk * S + Hv * S), (Hv, S, S)
 
     def rope_tables(self, positions, n_ctx):
         """NEOX tables of the rotated dims; a text token's IMROPE position is (p, p, p, 0), so the
