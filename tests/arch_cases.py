@@ -55,6 +55,10 @@ CASES = {
     "qwen35": dict(arch="qwen35", fmt="Q8_0", n_layer=4, rope_dims=16,
                    formats={"ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ssm_alpha": "F32", "ssm_beta": "F32"},
                    keys={"rope.dimension_sections": [3, 3, 1, 1]}),
+    # llama-quantize's Q4_K_M mix for it: the 4-row ssm_alpha/ssm_beta Q4_K that llama.cpp does not repack
+    "qwen35-q4_k_m": dict(arch="qwen35", fmt="Q4_K", n_layer=4, rope_dims=16,
+                          formats={"attn_qkv": "Q6_K", "attn_v": "Q6_K", "ffn_down": "Q6_K"},
+                          keys={"rope.dimension_sections": [3, 3, 2, 0]}),
     "granite": dict(arch="granite", fmt="Q4_1",
                     keys={"logit_scale": 8.0, "residual_scale": 0.22, "embedding_scale": 12.0,
                           "attention.scale": 0.0078125}),

@@ -58,18 +58,40 @@ def _silu_row(row, ones):
         row[j] = v / (_ONE + np.float32(math.exp(-v)))
 
 
+# ggml_ssm_conv's sum over a channel's Kc products, as gcc vectorizes it: whole vectors of
+# products (AVX-512: 16, then 8; AVX2: 8, then 4) multiplied, then added one by one in order;
+# the products left over fused into the sum (vfmadd231ss). Qwen3.5's Kc = 4: one unfused vector
+# of 4 on AVX2, four fmas on AVX-512.
+CONV_VECTORS = (16, 8) if GGML_AVX512 else (8, 4)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _unfused_taps(Kc):
+    """How many of a channel's Kc products ggml's build sums unfused (the rest fused)."""
+    big, small = CONV_VECTORS
+    n = Kc - Kc % big
+    if Kc - n >= small:
+        n += small
+    return n
+
+
 @nb.njit(inline="always", cache=True, nogil=True)
 def _conv_row(x, conv_state, taps, t, ones, out):
     """Row t of conv_silu: each tap's inputs across the channels, times its weights."""
     Kc = taps.shape[0]
+    unfused = _unfused_taps(Kc)
     row = out[t]
     row[:] = 0
     for i in range(Kc):
         at = t + i  # in the channels' inputs: the state's, then this batch's
         inputs = conv_state[at] if at < Kc - 1 else x[at - (Kc - 1)]
         tap = taps[i]
-        for c in range(row.shape[0]):
-            row[c] = fma(inputs[c], tap[c], row[c])
+        if i < unfused:
+            for c in range(row.shape[0]):
+                row[c] = row[c] + inputs[c] * tap[c]
+        else:
+            for c in range(row.shape[0]):
+                row[c] = fma(inputs[c], tap[c], row[c])
     _silu_row(row, ones)
 
 
@@ -82,7 +104,7 @@ def _conv_parallel(x, conv_state, taps, ones, out):
 @nb.njit(**_SER)
 def conv_silu(x, conv_state, weights):
     """The causal convolution of each channel over its last Kc inputs (ggml_ssm_conv: a float
-    sum from 0, product by product, fused as compiled), then SiLU (ggml_silu, row by row);
+    sum from 0, product by product, fused or not as compiled: CONV_VECTORS), then SiLU (ggml_silu, row by row);
     conv_state takes the last Kc - 1 inputs. x (T, C) -> (T, C); conv_state (Kc - 1, C) in
     place, oldest first; weights (C*Kc,), the (C, Kc) tensor's values."""
     T, C = x.shape
