@@ -127,9 +127,11 @@ class KVCache:
     def reserve(self, n: int) -> np.ndarray:
         """Positions of the next n tokens; computes each group's slots for them."""
         positions = np.arange(self.n_past, self.n_past + n, dtype=np.int64)
-        if self.recurrent is not None and self.n_past + n > self.n_ctx:
-            raise MinillmError(f"the context of {self.n_ctx} tokens is full: a model with recurrent layers cannot "
-                               f"drop its oldest tokens to go on; raise n_ctx", ("n_ctx",))
+        if self.recurrent is not None:
+            if self.n_past + n > self.n_ctx:
+                raise MinillmError(f"the context of {self.n_ctx} tokens is full: a model with recurrent layers "
+                                   f"cannot drop its oldest tokens to go on; raise n_ctx", ("n_ctx",))
+            self.recurrent.rows = np.zeros(n, np.int64)  # every row the one sequence's
         for name, group in self.groups.items():
             if n > group.n_slots - group.n_keep:
                 raise ValueError(f"a batch of {n} tokens does not fit the {name} cache ring")

@@ -12,24 +12,28 @@ from __future__ import annotations
 
 import numpy as np
 
-_NO_CONV = np.zeros((0, 0), np.float32)
-_NO_SSM = np.zeros((0, 0, 0), np.float32)
+_NO_CONV = np.zeros((0, 0, 0), np.float32)
+_NO_SSM = np.zeros((0, 0, 0, 0), np.float32)
 
 
 class RecurrentState:
-    def __init__(self, layers: list[int], conv_shape: tuple, ssm_shape: tuple):
-        self.conv = {il: np.zeros(conv_shape, np.float32) for il in layers}   # il -> (Kc-1, C)
-        self.ssm = {il: np.zeros(ssm_shape, np.float32) for il in layers}     # il -> (Hv, S, S)
-        self.snapshots: dict[int, tuple] = {}  # n_past -> (conv, ssm) copies at that position
+    """The recurrent layers' state of n_seqs sequences (one for a KVCache, a slot's each in the
+    scheduler's pool); `rows` names each row's sequence in the batch being evaluated."""
+
+    def __init__(self, layers: list[int], conv_shape: tuple, ssm_shape: tuple, n_seqs: int = 1):
+        self.conv = {il: np.zeros((n_seqs, *conv_shape), np.float32) for il in layers}  # il -> (n, Kc-1, C)
+        self.ssm = {il: np.zeros((n_seqs, *ssm_shape), np.float32) for il in layers}    # il -> (n, Hv, S, S)
+        self.rows = np.zeros(0, np.int64)  # (T,) each row's sequence
+        self.snapshots: dict[int, tuple] = {}  # n_past -> (conv, ssm) copies at that position (one sequence)
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (*self.conv.values(), *self.ssm.values()))
 
     def layer(self, il: int) -> tuple:
-        """(conv state, state matrices) of layer il, written in place by its pass; empty arrays
-        for an attention layer."""
-        return self.conv.get(il, _NO_CONV), self.ssm.get(il, _NO_SSM)
+        """(conv states, state matrices, each row's sequence) of layer il, the states written in
+        place by its pass; empty states for an attention layer."""
+        return self.conv.get(il, _NO_CONV), self.ssm.get(il, _NO_SSM), self.rows
 
     def save(self, n_past: int, keep: int = 2) -> None:
         """Keep a copy of the state as it is after n_past tokens (the last `keep` such copies)."""
@@ -50,7 +54,12 @@ class RecurrentState:
         self.snapshots = {n: s for n, s in self.snapshots.items() if n <= n_past}
         return True
 
-    def clear(self) -> None:
+    def clear(self, seq: int | None = None) -> None:
+        """Zero every sequence's state (and forget the snapshots), or sequence seq's."""
         for a in (*self.conv.values(), *self.ssm.values()):
-            a[...] = 0
-        self.snapshots.clear()
+            if seq is None:
+                a[...] = 0
+            else:
+                a[seq] = 0
+        if seq is None:
+            self.snapshots.clear()

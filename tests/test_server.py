@@ -26,9 +26,11 @@ START_TIMEOUT_S = 600  # a cold machine compiles the kernels first
 class LiveServer:
     """`minillm serve MODEL --port 0 ARGS` in a child process; stop() sends SIGTERM."""
 
-    def __init__(self, *args: str, model: str = "smollm2"):
+    def __init__(self, *args: str, model="smollm2"):
+        """model: a real model's name (conftest.model_path), or a file."""
         env = dict(os.environ, MINILLM_API_KEY="")
-        self.proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", str(model_path(model)), "--port", "0",
+        path = model if isinstance(model, os.PathLike) else model_path(model)
+        self.proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", str(path), "--port", "0",
                                       *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env)
         self.stderr: list[str] = []

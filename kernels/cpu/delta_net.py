@@ -8,6 +8,7 @@ The state a sequence carries from token to token, per recurrent layer:
     conv  (Kc - 1, C)   the last Kc - 1 inputs of the channels' causal convolution, oldest first
     ssm   (Hv, S, S)    each value head's state matrix, transposed as ggml keeps it: ssm[h, j, i]
                         is S[i][j], so that row j (column j of S) is contiguous
+The kernels take a batch's sequences' states stacked (n_seq, ...) and each row's sequence.
 """
 import math
 
@@ -101,17 +102,33 @@ def _conv_parallel(x, conv_state, taps, ones, out):
         _conv_row(x, conv_state, taps, t, ones, out)
 
 
+@nb.njit(**_PAR)
+def _silu_parallel(out, ones):
+    for t in nb.prange(out.shape[0]):
+        _silu_row(out[t], ones)
+
+
 @nb.njit(**_SER)
-def conv_silu(x, conv_state, weights):
+def conv_silu(x, conv_states, weights, row_seq):
     """The causal convolution of each channel over its last Kc inputs (ggml_ssm_conv: a float
-    sum from 0, product by product, fused or not as compiled: CONV_VECTORS), then SiLU (ggml_silu, row by row);
-    conv_state takes the last Kc - 1 inputs. x (T, C) -> (T, C); conv_state (Kc - 1, C) in
-    place, oldest first; weights (C*Kc,), the (C, Kc) tensor's values."""
+    sum from 0, product by product, fused or not as compiled: CONV_VECTORS), then SiLU
+    (ggml_silu, row by row); each sequence's state takes its last Kc - 1 inputs. x (T, C) ->
+    (T, C); conv_states (n_seq, Kc - 1, C) in place, oldest first; weights (C*Kc,), the (C, Kc)
+    tensor's values; row_seq (T,) each row's sequence, a sequence's rows in order."""
     T, C = x.shape
     Kc = weights.size // C
     taps = weights.reshape(C, Kc).T.copy()  # (Kc, C): each tap's weights across the channels
     ones = np.ones(C, np.float32)
     out = np.empty_like(x)
+    if conv_states.shape[0] > 1:  # rows of several sequences (the scheduler's): one at a time
+        for t in range(T):
+            state = conv_states[row_seq[t]]
+            _conv_row(x[t:t + 1], state, taps, 0, ones, out[t:t + 1])
+            for i in range(Kc - 2):
+                state[i] = state[i + 1]
+            state[Kc - 2] = x[t]
+        return out
+    conv_state = conv_states[0]
     if T >= PARALLEL_MIN_ROWS:
         _conv_parallel(x, conv_state, taps, ones, out)
     else:  # a few rows: a fork/join would cost more than the work
@@ -162,13 +179,14 @@ def decay_and_beta(alpha, beta, dt_bias, a):
 
 
 @nb.njit(**_PAR)
-def gated_delta_net(qkv, q_at, k_at, v_at, g, beta, state, n_k_heads, S):
+def gated_delta_net(qkv, q_at, k_at, v_at, g, beta, states, row_seq, n_k_heads, S):
     """ggml_gated_delta_net, one token after the other, each value head on its own thread.
     Per token: state *= exp(g); delta = (v - S^T k) * beta; S += k (x) delta; out = S^T q / sqrt(S).
     qkv (T, C): q (Hk heads), k (Hk) and v (Hv) from columns q_at, k_at, v_at; value head h
-    reads key head h % Hk. g, beta (T, Hv); state (Hv, S, S) in place. -> out (T, Hv*S)."""
+    reads key head h % Hk. g, beta (T, Hv); states (n_seq, Hv, S, S) in place, row t's that of
+    sequence row_seq[t]. -> out (T, Hv*S)."""
     T = qkv.shape[0]
-    Hv = state.shape[0]
+    Hv = states.shape[1]
     out = np.empty((T, Hv * S), np.float32)
     scale = _ONE / np.float32(math.sqrt(np.float32(S)))
     for h in nb.prange(Hv):
@@ -181,8 +199,9 @@ def gated_delta_net(qkv, q_at, k_at, v_at, g, beta, state, n_k_heads, S):
             b = beta[t, h]
             # ggml's passes (scale all, delta from each row, update all, read each row) touch
             # row j only for delta[j], out[j]: here one row at a time, while it is in L1
+            state = states[row_seq[t], h]
             for j in range(S):
-                row = state[h, j]
+                row = state[j]
                 for i in range(S):
                     row[i] *= decay
                 d = (v[j] - _dot(row, 0, k, 0, S)) * b

@@ -3,7 +3,8 @@ head carried from token to token) and, every fourth layer, gated full attention.
 
 Both kinds of layer run one compiled function: its tensors come in the same slots (the mixer's
 five matrices and four vectors mean one thing in a recurrent layer, another in an attention
-layer) and its memory is (KV view, conv state, state matrices), empty where the layer has none.
+layer) and its memory is (KV view, conv states, state matrices, each row's sequence), empty
+where the layer has none.
 
     recurrent:  qkv, z = attn_qkv x, attn_gate x      conv + SiLU over qkv (channels q|k|v)
                 q, k L2-normed per head               beta = sigmoid(ssm_beta x)
@@ -30,21 +31,23 @@ ops = cpu_layers  # the backend operations the layer is written in (see llama.py
 def hybrid_layer_ops(x, w, positions, kv, out_from, rope_table, eps, n_head, n_head_kv, head_dim, rope_dims,
                      kq_scale, recurrent, n_k_heads, state_size):
     """x (T, E) -> (T - out_from, E); w: the layer's tensors in Qwen35.layer_order; kv: (KV view,
-    conv state (Kc-1, C), state matrices (Hv, S, S)). llama.cpp picks the output rows after the
-    last layer, so every row goes through it."""
+    the sequences' conv states (n_seq, Kc-1, C) and state matrices (n_seq, Hv, S, S), each row's
+    sequence (T,)). llama.cpp picks the output rows after the last layer, so every row goes
+    through it."""
     attn_norm, post_norm, wg, wu, wd, m0, m1, m2, m3, m4, v0, v1, v2, v3, conv_w = w
-    kv_view, conv_state, ssm_state = kv
+    kv_view, conv_states, ssm_states, row_seq = kv
     h = ops.norm(x, attn_norm, eps)
     if recurrent:  # m0..m4: attn_qkv, attn_gate, ssm_beta, ssm_alpha, ssm_out; v0..v2: ssm_dt, ssm_a, ssm_norm
         qkv, z = ops.linear2(m0, m1, h)
         beta, g = ops.linear2(m2, m3, h)
         ops.decay_and_beta(g, beta, v0, v1)
-        mixed = ops.conv_silu(qkv, conv_state, conv_w)
+        mixed = ops.conv_silu(qkv, conv_states, conv_w, row_seq)
         key_dim = n_k_heads * state_size
         ops.l2_heads(mixed, 0, n_k_heads, state_size, eps)
         ops.l2_heads(mixed, key_dim, n_k_heads, state_size, eps)
-        core = ops.gated_delta_net(mixed, 0, key_dim, 2 * key_dim, g, beta, ssm_state, n_k_heads, state_size)
-        out = ops.linear(m4, ops.gated_norm(core, v2, z, eps, ssm_state.shape[0], state_size))
+        core = ops.gated_delta_net(mixed, 0, key_dim, 2 * key_dim, g, beta, ssm_states, row_seq, n_k_heads,
+                                   state_size)
+        out = ops.linear(m4, ops.gated_norm(core, v2, z, eps, ssm_states.shape[1], state_size))
     else:  # m0..m3: attn_q (with its gate), attn_k, attn_v, attn_output; v0, v1: attn_q_norm, attn_k_norm
         q_gate, k, v = ops.linear3(m0, m1, m2, h)
         q = ops.head_norm(ops.first_halves(q_gate, n_head, head_dim), v0, eps, n_head, head_dim)
@@ -80,7 +83,6 @@ class Qwen35(Transformer):
         "nextn_predict_layers", "attention.scale"})
     # what the recurrent layers' state does not do yet: feature -> what it is (Backend.check_supports)
     unsupported = {"speculation": "speculative decoding", "beams": "beam search",
-                   "rows": "the batching scheduler (serve, --batch-file, generate_batch)",
                    "imatrix": "an importance matrix"}
 
     def read_hparams(self) -> HParams:

@@ -120,7 +120,8 @@ class CpuBackend(Backend):
     @staticmethod
     def cache_kv(cache, il: int) -> tuple:
         """Layer il's KVView of one sequence's cache, as the CPU layers take it (a plain tuple);
-        with recurrent layers, (KVView, conv state, state matrices), empty where il has none."""
+        with recurrent layers, (KVView, conv states, state matrices, each row's sequence), the
+        states empty where il has none."""
         kc, vc, group, slots = cache.layer(il)
         view = plain(KVView(kc, vc, group.kv_pos, slots, group.n_keep, NO_PAGING))
         if cache.recurrent is None:

@@ -10,6 +10,10 @@ the cells through the table (kernels/cpu/attention.py, attention_rows).
 
 Sequences here never run past their context (the scheduler stops them there), so the global
 group never wraps and no attention sinks are needed.
+
+A model with recurrent layers (layer group None) keeps each slot's recurrent state beside its
+cells (`recurrent`, a RecurrentState of n_seqs sequences); it cannot be cut back to a prefix, so
+such a pool reuses no prefix (`reusable`) and a slot's state starts again with its cells.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import numpy as np
 from ..errors import MinillmError
 from ..kernels.cpu.layers import KVView, Paging, plain
 from ..kv_cache import F16_CACHE, cache_bytes
+from ..recurrent_state import RecurrentState
 
 SHIFT = 4
 BLOCK = 1 << SHIFT  # cells per block
@@ -92,9 +97,11 @@ class KVPool:
         # per layer: (rows, Hkv, D) float16 (on the CPU uint16 bit patterns, or (rows, Hkv,
         # D/32 * block bytes) uint8 for a quantized cache: kv_cache.py); host pages are touched
         # only when written
-        rows = [self.groups[g].n_blocks * BLOCK for g in self.layer_groups]
+        rows = [self.groups[g].n_blocks * BLOCK if g else 0 for g in self.layer_groups]
         self.k = backend.pool_arrays(rows, cache_types[0])
         self.v = backend.pool_arrays(rows, cache_types[1])
+        recurrent = arch.recurrent_shapes()
+        self.recurrent = RecurrentState(*recurrent, n_seqs=n_seqs) if recurrent else None
 
     @staticmethod
     def cells_within(arch, n_seqs: int, n_ctx: int, n_batch: int, cache_types, budget: int) -> int:
@@ -107,8 +114,9 @@ class KVPool:
         def layer_bytes(n_cells: int) -> int:     # one layer's K and V
             return sum(cache_bytes(n_cells, hp.n_head_kv, hp.head_dim, t) for t in cache_types)
 
-        fixed = sum(layer_bytes(n_seqs * -(-sizes[g] // BLOCK) * BLOCK) for g in layer_groups if sizes[g] < n_ctx)
-        per_cell = sum(layer_bytes(1) for g in layer_groups if sizes[g] >= n_ctx)
+        fixed = sum(layer_bytes(n_seqs * -(-sizes[g] // BLOCK) * BLOCK) for g in layer_groups
+                    if g and sizes[g] < n_ctx)
+        per_cell = sum(layer_bytes(1) for g in layer_groups if g and sizes[g] >= n_ctx)
         cells = max(0, budget - fixed) // per_cell // BLOCK * BLOCK
         if cells < n_ctx:
             need = fixed + per_cell * -(-n_ctx // BLOCK) * BLOCK
@@ -119,7 +127,7 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         """Bytes of the whole pool (reserved; pages are touched as sequences write them)."""
-        return sum(a.nbytes for a in self.k + self.v)
+        return sum(a.nbytes for a in self.k + self.v) + (self.recurrent.nbytes if self.recurrent else 0)
 
     @property
     def n_cells(self) -> int:
@@ -141,17 +149,21 @@ class KVPool:
             self.groups[name].assign(seq, entries)
 
     def release(self, seq: int, keep: int = 0) -> None:
-        """Free seq's cells from position `keep` on (all of them by default)."""
+        """Free seq's cells from position `keep` on (all of them by default; its recurrent state
+        with them: it cannot keep a prefix)."""
         for g in self.groups.values():
             g.release(seq, keep)
+        if self.recurrent is not None:
+            self.recurrent.clear(seq)
 
     def blocks_held(self, seq: int) -> int:
         return sum(g.blocks_held(seq) for g in self.groups.values())
 
     def reusable(self, n_past: int) -> bool:
         """Whether a sequence of n_past positions can be cut back to a prefix: no ring of it
-        has wrapped (a wrapped ring has overwritten positions the prefix still needs)."""
-        return all(n_past <= g.n_slots for g in self.groups.values())
+        has wrapped (a wrapped ring has overwritten positions the prefix still needs), and no
+        recurrent state has gone past it."""
+        return self.recurrent is None and all(n_past <= g.n_slots for g in self.groups.values())
 
     def batch_kv(self, row_seq: np.ndarray, positions: np.ndarray):
         """kv_of(il) for Backend.forward_rows: each layer's KVView for a batch of rows
@@ -167,8 +179,12 @@ class KVPool:
             g.kv_pos[rows] = positions
             views[name] = (g.kv_pos, rows, plain(Paging(row_seq, g.tables, SHIFT, g.n_slots)))
 
+        if self.recurrent is not None:
+            self.recurrent.rows = row_seq
+
         def kv_of(il: int) -> tuple:
-            kv_pos, rows, paging = views[self.layer_groups[il]]
-            return plain(KVView(self.k[il], self.v[il], kv_pos, rows, 0, paging))
+            kv_pos, rows, paging = views[self.layer_groups[il] or "global"]
+            view = plain(KVView(self.k[il], self.v[il], kv_pos, rows, 0, paging))
+            return view if self.recurrent is None else (view, *self.recurrent.layer(il))
 
         return kv_of

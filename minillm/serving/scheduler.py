@@ -297,6 +297,8 @@ class Scheduler:
             raise MinillmError("draft: no draft model was given (Scheduler(draft=...))")
         if request.draft and request.lookup:
             raise MinillmError("choose a draft model or prompt lookup, not both")
+        if request.draft or request.lookup:
+            self.model.backend.check_supports("speculation")
         job = _Job(self, request, ids, next(self._arrivals))
         if request.max_tokens == 0:
             job.finish("length", time.perf_counter())
