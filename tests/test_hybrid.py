@@ -99,16 +99,31 @@ def test_generation_stops_at_a_full_context(model):
         model.eval(ids(3), cache)
 
 
-@pytest.mark.parametrize("feature", ["beams", "lookup", "scheduler lookup", "imatrix"])
+@pytest.mark.parametrize("feature", ["lookup", "scheduler lookup", "imatrix"])
 def test_what_the_state_cannot_do_yet_is_refused_by_name(model, feature):
     from minillm.quality.imatrix import compute_imatrix
 
-    run = {"beams": lambda: beam_search(model, ids(10), 4, 2),
-           "lookup": lambda: make_speculation(model, 256, lookup=True),
+    run = {"lookup": lambda: make_speculation(model, 256, lookup=True),
            "scheduler lookup": lambda: model.scheduler().submit(Request(ids(10), 4, GREEDY, lookup=True)),
            "imatrix": lambda: compute_imatrix(model, "some text " * 200, "t.txt", n_ctx=64)}[feature]
     with pytest.raises(minillm.MinillmError, match="does not run qwen35 models yet"):
         run()
+
+
+def test_beams_copy_the_state(model):
+    """Each beam's cache is a copy of its parent's, recurrent state included: the winning beam's
+    score is its tokens' log-probabilities as a fresh sequence gives them, token by token."""
+    from minillm.sequence import log_softmax
+
+    prompt = ids(20)
+    tokens, score = beam_search(model, prompt, 5, 3, n_ctx=64, ignore_eos=True)
+    cache = model.new_cache(64)
+    logits = model.eval(prompt, cache, logits_from=len(prompt) - 1)[-1]
+    total = 0.0
+    for token in tokens:
+        total += float(log_softmax(logits)[token])
+        logits = model.eval([token], cache, batch_size=1)[-1]
+    assert len(tokens) == 5 and total == score
 
 
 def requests() -> list[Request]:
