@@ -140,7 +140,6 @@ def beam_search(model, prompt_ids: list[int], max_tokens: int, n_beams: int, n_c
                 ignore_eos: bool = False) -> tuple[list[int], float]:
     """The most likely continuation (sum of token log-probabilities) among n_beams beams; each
     beam has its own KV cache. Returns (tokens, log-probability). Not streamed."""
-    model.backend.check_supports("beams")
     session = Session(model, n_ctx=n_ctx)
     prompt_ids = session.check_prompt(list(prompt_ids), truncate=False)
     eog = set() if ignore_eos else session.tokenizer.eog_ids

@@ -2,7 +2,7 @@
 head carried from token to token) and, every fourth layer, gated full attention.
 
 Both kinds of layer run one compiled function: its tensors come in the same slots (the mixer's
-five matrices and four vectors mean one thing in a recurrent layer, another in an attention
+five matrices and three vectors mean one thing in a recurrent layer, another in an attention
 layer) and its memory is (KV view, conv states, state matrices, each row's sequence), empty
 where the layer has none.
 
@@ -34,7 +34,7 @@ def hybrid_layer_ops(x, w, positions, kv, out_from, rope_table, eps, n_head, n_h
     the sequences' conv states (n_seq, Kc-1, C) and state matrices (n_seq, Hv, S, S), each row's
     sequence (T,)). llama.cpp picks the output rows after the last layer, so every row goes
     through it."""
-    attn_norm, post_norm, wg, wu, wd, m0, m1, m2, m3, m4, v0, v1, v2, v3, conv_w = w
+    attn_norm, post_norm, wg, wu, wd, m0, m1, m2, m3, m4, v0, v1, v2, conv_w = w
     kv_view, conv_states, ssm_states, row_seq = kv
     h = ops.norm(x, attn_norm, eps)
     if recurrent:  # m0..m4: attn_qkv, attn_gate, ssm_beta, ssm_alpha, ssm_out; v0..v2: ssm_dt, ssm_a, ssm_norm
@@ -62,21 +62,20 @@ def hybrid_layer_ops(x, w, positions, kv, out_from, rope_table, eps, n_head, n_h
 
 hybrid_layer = nb.njit(cache=True, nogil=True)(hybrid_layer_ops)
 
-# each layer kind's tensors in the mixer's slots (m0..m4, v0..v3): None = the slot is unused
-_RECURRENT_SLOTS = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out",
-                    "ssm_dt.bias", "ssm_a", "ssm_norm", None)
-_ATTENTION_SLOTS = ("attn_q", "attn_k", "attn_v", "attn_output", None,
-                    "attn_q_norm", "attn_k_norm", None, None)
+# each layer kind's tensors in the mixer's slots (m0..m4, v0..v2): None = the slot is unused
+_RECURRENT_SLOTS = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out", "ssm_dt.bias", "ssm_a", "ssm_norm")
+_ATTENTION_SLOTS = ("attn_q", "attn_k", "attn_v", "attn_output", None, "attn_q_norm", "attn_k_norm", None)
 N_MATRICES = 5
+MAX_SSM_HEADS = 1024
 
 
 class Qwen35(Transformer):
     name = "qwen35"
     rope_neox = True
     layer_function = staticmethod(hybrid_layer)
-    array_tensors = ("ssm_conv1d.weight",)  # read whole as float32 (C, Kc), not packed for products
+    array_tensors = ("ssm_conv1d.weight",)  # its values as they are (C*Kc,), not packed for products
     layer_order = ("attn_norm", "post_attention_norm", "ffn_gate", "ffn_up", "ffn_down",
-                   "m0", "m1", "m2", "m3", "m4", "v0", "v1", "v2", "v3", "ssm_conv1d")
+                   "m0", "m1", "m2", "m3", "m4", "v0", "v1", "v2", "ssm_conv1d")
     handled_keys = frozenset({
         "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
         "full_attention_interval", "attention.recurrent_layers", "rope.dimension_sections",
@@ -217,9 +216,6 @@ class Qwen35(Transformer):
         hp = self.hp
         return (tables, np.float32(hp.rms_eps), hp.n_head, hp.n_head_kv, hp.head_dim, hp.rope_dims,
                 np.float32(self.attn_scale), self.recurrent[il], self.n_k_heads, self.state_size)
-
-
-MAX_SSM_HEADS = 1024
 
 
 def _block(name: str) -> int:

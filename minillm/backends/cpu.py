@@ -9,15 +9,15 @@ from contextlib import nullcontext
 
 import numpy as np
 
+from ..arch.base import NO_MATRIX
 from ..kernels.cpu import ops
 from ..kernels.cpu.layers import NO_PAGING, NO_WEIGHTS, KVView, linear, plain
 from ..kv_cache import KVCache, cache_arrays
-from ..recurrent_state import RecurrentState
 from ..memory import keep_freed_memory, release_compiler_pages
+from ..recurrent_state import RecurrentState
 from ..threads import ThreadGovernor
 from ..weights import (Matrix, ProductsElsewhere, prepare_products, product_kinds, products_ready, row_by_row,
                        with_products)
-from ..arch.base import NO_MATRIX
 from .base import Backend
 
 
