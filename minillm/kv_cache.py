@@ -158,10 +158,13 @@ class KVCache:
         or, where recurrent state has no snapshot at n, 0 (every token evaluated again)."""
         if self.wrapped and n < self.n_past:
             raise ValueError("cannot rewind a cache whose ring has wrapped")
-        if self.recurrent is not None and n < self.n_past and not self.recurrent.restore(n):
-            n = 0
-            self.recurrent.clear()
-        self._forget(n)
+        if self.recurrent is not None and n < self.n_past:
+            if not self.recurrent.restore(n):
+                n = 0
+                self.recurrent.clear()
+            self._rewind(n)
+            return n
+        self.rewind(n)
         return n
 
     def headroom(self) -> int:
@@ -176,9 +179,10 @@ class KVCache:
         tokens evaluated within headroom()."""
         if self.recurrent is not None and n < self.n_past:
             raise ValueError("recurrent state cannot be rewound: truncate to a snapshot instead")
-        self._forget(n)
+        self._rewind(n)
 
-    def _forget(self, n: int) -> None:
+    def _rewind(self, n: int) -> None:
+        """The cells' part of rewind: positions >= n forgotten."""
         for group in self.groups.values():
             group.kv_pos[group.kv_pos >= n] = -1
         self.n_past = min(self.n_past, n)

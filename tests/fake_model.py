@@ -42,6 +42,9 @@ class FakeArch:
     def cache_windows(self) -> dict:
         return {}
 
+    def recurrent_shapes(self):
+        return None  # every layer keeps a KV cache
+
 
 def next_token(token: int, position: int) -> int:
     """The scripted model: after token t (at any position) comes t + 1, skipping the end token,
