@@ -16,7 +16,7 @@ import numba as nb
 import numpy as np
 
 from .fma import fma
-from .ops import PARALLEL_MIN_ROWS, v_expf
+from .ops import PARALLEL_MIN_ROWS, rmsnorm, v_expf
 from .simd import dot_f16_32, dot_f16_64, swiglu_16
 from .target import GGML_AVX512, SIMD_WIDTH
 
@@ -100,12 +100,6 @@ def _conv_row(x, conv_state, taps, t, ones, out):
 def _conv_parallel(x, conv_state, taps, ones, out):
     for t in nb.prange(x.shape[0]):
         _conv_row(x, conv_state, taps, t, ones, out)
-
-
-@nb.njit(**_PAR)
-def _silu_parallel(out, ones):
-    for t in nb.prange(out.shape[0]):
-        _silu_row(out[t], ones)
 
 
 @nb.njit(**_SER)
@@ -221,15 +215,8 @@ def gated_norm(x, weight, z, eps, n_heads, S):
     for r in range(T * n_heads):
         _silu_row(gate[r], ones)
     rows = x.reshape(T * n_heads, S)
-    for r in range(T * n_heads):
-        total = 0.0
-        for j in range(S):
-            v = rows[r, j]
-            total += np.float64(v * v)
-        mean = np.float32(total / S)
-        inv = _ONE / np.float32(math.sqrt(mean + eps))
-        for j in range(S):
-            rows[r, j] = ((rows[r, j] * inv) * weight[j]) * gate[r, j]
+    rmsnorm(rows, weight, eps, rows)  # ggml_rms_norm, then ggml_mul by the weight
+    rows *= gate
     return x
 
 
