@@ -10,6 +10,7 @@ import numpy as np
 from .formats import REPACK_ROWS, Format
 from .kernels.cpu import lanes
 from .kernels.cpu import layers
+from .kernels.cpu.attention_fns import attention_fn, attention_fn_cached
 from .kernels.cpu.float_products import products, products_cached
 from .kernels.cpu.quant_products import qproducts, qproducts_cached
 from .kernels.cpu import matmul as mm
@@ -49,38 +50,42 @@ def products_ready(quantized, float_formats) -> bool:
     return all(map(qproducts_cached, quantized)) and all(map(products_cached, float_formats))
 
 
-def compile_products(quantized, float_formats) -> None:
-    """Compile (or load) these products' C functions (see product_kinds)."""
+def compile_products(quantized, float_formats, cache_dtype=None) -> None:
+    """Compile (or load) these products' C functions (see product_kinds), and the attention
+    over caches of cache_dtype's (kernels/cpu/attention_fns.py) where one is given."""
+    if cache_dtype is not None:
+        attention_fn(cache_dtype)
     for fmt in float_formats:
         products(fmt)
     for product in quantized:
         qproducts(product)
 
 
-def prepare_products(shapes, on_compile=None) -> None:
+def prepare_products(shapes, on_compile=None, cache_dtype=None) -> None:
     """Compile (or load) the products' C functions for matrices of these (format, rows) before
-    they are packed: inside on_compile() when any must compile (a first run), so that a caller
-    can show it."""
+    they are packed (and the attention over caches of cache_dtype): inside on_compile() when
+    any must compile (a first run), so that a caller can show it."""
     kinds = product_kinds(shapes)
-    with nullcontext() if on_compile is None or products_ready(*kinds) else on_compile():
-        compile_products(*kinds)
+    ready = products_ready(*kinds) and (cache_dtype is None or attention_fn_cached(cache_dtype))
+    with nullcontext() if on_compile is None or ready else on_compile():
+        compile_products(*kinds, cache_dtype)
 
 
 class ProductsElsewhere:
-    """A first run's products compiled in another process (compile_products), while this one
-    compiles the layer: two cores, two compilers. `join` waits for it; whatever it did not
-    finish (it failed, or was killed) compiles here when its matrices get their addresses. It
-    ends with this process (Linux's parent-death signal)."""
+    """A first run's products and attention compiled in another process (compile_products),
+    while this one compiles the layer: two cores, two compilers. `join` waits for it; whatever
+    it did not finish (it failed, or was killed) compiles here when its matrices get their
+    addresses. It ends with this process (Linux's parent-death signal)."""
 
-    def __init__(self, shapes):
+    def __init__(self, shapes, cache_dtype):
         quantized, float_formats = product_kinds(shapes)
         code = ("import ctypes, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "  # PR_SET_PDEATHSIG
                 "from minillm.weights import compile_products; "
                 "compile_products({int(a) for a in sys.argv[1].split()}, "
-                "{None if a == '-' else int(a) for a in sys.argv[2].split()})")
+                "{None if a == '-' else int(a) for a in sys.argv[2].split()}, sys.argv[3])")
         self.process = subprocess.Popen(
             [sys.executable, "-c", code, " ".join(map(str, quantized)),
-             " ".join("-" if f is None else str(f) for f in float_formats)],
+             " ".join("-" if f is None else str(f) for f in float_formats), np.dtype(cache_dtype).name],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def join(self) -> None:

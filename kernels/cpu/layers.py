@@ -18,8 +18,8 @@ from numba import types
 from numba.extending import overload
 
 from . import ops
-from .attention import attention, attention_rows
-from .attention_q import attention_quantized, hadamard_rotated, rotation_size, store_kv_quantized
+from .attention_fns import call_attention
+from .attention_q import hadamard_rotated, rotation_size, store_kv_quantized
 from .f16 import f16_round
 from .float_matmul import FLOAT_BF16, FLOAT_F16, FLOAT_F32, PARALLEL_MIN
 from .float_products import call_product, call_rows3
@@ -75,6 +75,7 @@ class KVView(NamedTuple):
     slots: np.ndarray         # (T,) int64 the rows this batch's k/v go to
     n_keep: int               # attention-sink tokens kept when the ring wraps
     paging: Paging
+    attend_fn: int            # the address of its cache type's attention (attention_fns.attention_fn)
 
 
 def plain(fields: tuple) -> tuple:
@@ -93,8 +94,9 @@ _SPLIT_BF16 = np.float32(65537.0)  # 2^(24-8) + 1: keeps bfloat16's 8 significan
 _SER = dict(cache=True, nogil=True)
 # Numba compiles the code of every njit function a function calls again into that function,
 # so each level of a call chain compiles all below it once more. The wrappers between a layer
-# and the kernels (products, attention) are inlined instead: a layer compiles each kernel once.
-_WRAPPER = dict(inline="always", cache=True, nogil=True)
+# and the kernels are inlined instead, and the kernels themselves (products, attention) are C
+# functions the layer calls by address.
+_WRAPPER = dict(cache=True, nogil=True)
 
 
 @nb.njit(**_SER)
@@ -264,47 +266,34 @@ def norm(x, weight, eps):
 @nb.njit(**_WRAPPER)
 def attend(q, k, v, positions, kv, window, scale, softcap, n_heads, n_kv_heads, head_dim):
     """Store this batch's k/v at their slots, then attention of q over the cache (kv: a KVView;
-    with a pool's paging every row is computed as if alone)."""
-    kcache, vcache, kv_pos, slots, n_keep, paging = kv  # KVView's fields
+    with a pool's paging every row is computed as if alone) by the cache type's C function."""
+    kcache, vcache, kv_pos, slots, n_keep, paging, attend_fn = kv  # KVView's fields
     for i in range(slots.shape[0]):
         kv_pos[slots[i]] = positions[i]
+    _store_kv(k, v, slots, n_kv_heads, head_dim, kcache, vcache)
+    row_seq, tables, shift, n_slots = paging
     out = np.empty((q.shape[0], n_heads * head_dim), np.float32)
-    _store_and_attend(q, k, v, positions, kcache, vcache, kv_pos, slots, n_keep, paging, window, scale, softcap,
-                      n_heads, n_kv_heads, head_dim, out)
+    call_attention(attend_fn, np.ascontiguousarray(q), positions, row_seq, tables, np.int64(shift), np.int64(n_slots),
+                   np.int64(n_keep), kcache, vcache, kv_pos, np.int64(window), np.float32(scale),
+                   np.float32(softcap), np.int64(n_heads), np.int64(head_dim), out)
     return out
 
 
-def _store_and_attend(q, k, v, positions, kcache, vcache, kv_pos, slots, n_keep, paging, window, scale, softcap,
-                      n_heads, n_kv_heads, head_dim, out):
-    """The cache's own kernels: F16 (uint16 caches) or q8_0/q4_0 blocks (uint8 caches)."""
+def _store_kv(k, v, slots, n_kv_heads, head_dim, kcache, vcache):
+    """The cache's own store: F16 (uint16 caches) or q8_0/q4_0 blocks (uint8 caches)."""
 
 
-@overload(_store_and_attend, inline="always")
-def _store_and_attend_impl(q, k, v, positions, kcache, vcache, kv_pos, slots, n_keep, paging, window, scale, softcap,
-                           n_heads, n_kv_heads, head_dim, out):
+@overload(_store_kv, inline="always")
+def _store_kv_impl(k, v, slots, n_kv_heads, head_dim, kcache, vcache):
     if kcache.dtype == types.uint8:
-        def quantized(q, k, v, positions, kcache, vcache, kv_pos, slots, n_keep, paging, window, scale, softcap,
-                      n_heads, n_kv_heads, head_dim, out):
-            row_seq, tables, shift, n_slots = paging
+        def quantized(k, v, slots, n_kv_heads, head_dim, kcache, vcache):  # in llama.cpp's rotated space
             n_rot_k, n_rot_v = rotation_size(head_dim, True), rotation_size(head_dim, False)
             store_kv_quantized(hadamard_rotated(k, n_rot_k), hadamard_rotated(v, n_rot_v), slots, n_kv_heads, head_dim,
                                kcache, vcache)
-            rotated = np.empty_like(out)
-            own_slots = n_slots if row_seq.shape[0] else kcache.shape[0]
-            attention_quantized(hadamard_rotated(q, n_rot_k), positions, row_seq, tables, shift, own_slots, n_keep,
-                                kcache, vcache, kv_pos, window, scale, softcap, n_heads, head_dim, rotated)
-            out[:] = hadamard_rotated(rotated, n_rot_v)
         return quantized
 
-    def f16(q, k, v, positions, kcache, vcache, kv_pos, slots, n_keep, paging, window, scale, softcap,
-            n_heads, n_kv_heads, head_dim, out):
-        row_seq, tables, shift, n_slots = paging
+    def f16(k, v, slots, n_kv_heads, head_dim, kcache, vcache):
         ops.store_kv(k, v, slots, n_kv_heads, head_dim, kcache, vcache)
-        if row_seq.shape[0] == 0:
-            attention(q, positions, kcache, vcache, kv_pos, n_keep, window, scale, softcap, n_heads, out)
-        else:
-            attention_rows(q, positions, row_seq, tables, shift, n_slots, n_keep, kcache, vcache, kv_pos, window, scale,
-                           softcap, n_heads, out)
     return f16
 
 

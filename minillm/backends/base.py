@@ -102,6 +102,11 @@ class Backend:
         scheduler's pool (serving/kv_pool.py), where this backend's kernels read them."""
         raise NotImplementedError
 
+    def attention_address(self, cache_dtype) -> int:
+        """The address of the compiled attention over caches of this dtype that the layers call
+        (the CPU's kernels/cpu/attention_fns.py); 0 where the layers attend otherwise."""
+        return 0
+
     def pool_budget(self) -> int | None:
         """Bytes the scheduler's pool may take when the caller gives no size, or None: as many
         cells as every slot's context (host pages are taken only as cells are written)."""

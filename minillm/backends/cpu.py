@@ -11,8 +11,9 @@ import numpy as np
 
 from ..arch.base import NO_MATRIX
 from ..kernels.cpu import ops
+from ..kernels.cpu.attention_fns import attention_fn, attention_fn_cached
 from ..kernels.cpu.layers import NO_PAGING, NO_WEIGHTS, KVView, linear, plain
-from ..kv_cache import KVCache, cache_arrays
+from ..kv_cache import CACHE_TYPES, KVCache, cache_arrays
 from ..memory import keep_freed_memory, release_compiler_pages
 from ..recurrent_state import RecurrentState
 from ..threads import ThreadGovernor
@@ -26,14 +27,15 @@ class CpuBackend(Backend):
 
     def __init__(self, arch, cache_types: tuple[str, str], progress=None, on_compile=None):
         shapes = self._matrix_shapes(arch)
-        # a first run on several cores: the products compile in another process while warm_up
-        # compiles the layer here; else here, now (loaded from the cache when they are there)
+        cache_dtype = np.dtype(CACHE_TYPES[cache_types[0]][0])  # (K and V caches share it: check_cache_types)
+        # a first run on several cores: the products and attention compile in another process
+        # while warm_up compiles the layer here; else here, now (loaded from the cache when they are there)
         self._products_elsewhere = None
         if ((os.cpu_count() or 1) > 1 and not _layer_cached(arch.layer_function)
-                and not products_ready(*product_kinds(shapes))):
-            self._products_elsewhere = ProductsElsewhere(shapes)
+                and not (products_ready(*product_kinds(shapes)) and attention_fn_cached(cache_dtype))):
+            self._products_elsewhere = ProductsElsewhere(shapes, cache_dtype)
         else:
-            prepare_products(shapes, on_compile)
+            prepare_products(shapes, on_compile, cache_dtype)
         super().__init__(arch, cache_types, progress)
         keep_freed_memory()  # each pass's activations reuse the last pass's pages
         self.layer_function = arch.layer_function
@@ -99,11 +101,12 @@ class CpuBackend(Backend):
 
     def _layer_types(self) -> tuple:
         """The types of the warm-up pass's layer arguments: the layer compiles for them before
-        anything runs (while the products compile elsewhere)."""
+        anything runs (while the products and attention compile elsewhere)."""
         cache = self.new_cache(2)
         positions = cache.reserve(1)
         x, tables, positions = self.upload(self.step_inputs(np.zeros(1, np.int64), positions, cache.n_ctx))
-        args = (x, self.layers[0], positions, self.cache_kv(cache, 0), 0, *self.arch.layer_args(0, tables))
+        kv = self.cache_kv(cache, 0, attend_fn=0)  # (an address's type: no attention compiled here)
+        args = (x, self.layers[0], positions, kv, 0, *self.arch.layer_args(0, tables))
         return tuple(self.layer_function.typeof_pyval(a) for a in args)
 
     def run_layers(self, ids, positions, kv_of, out_from: int, layers, n_ctx: int):
@@ -117,13 +120,19 @@ class CpuBackend(Backend):
         self.governor.record(len(ids), threads, time.perf_counter() - t0)
         return x
 
-    @staticmethod
-    def cache_kv(cache, il: int) -> tuple:
+    def attention_address(self, cache_dtype) -> int:
+        if self._products_elsewhere is not None:  # (the pool of a server made before warm_up)
+            self._products_here()
+        return attention_fn(cache_dtype)
+
+    def cache_kv(self, cache, il: int, attend_fn: int | None = None) -> tuple:
         """Layer il's KVView of one sequence's cache, as the CPU layers take it (a plain tuple);
         with recurrent layers, (KVView, conv states, state matrices, each row's sequence), the
-        states empty where il has none."""
+        states empty where il has none. attend_fn: the attention's address (by default the
+        cache type's)."""
         kc, vc, group, slots = cache.layer(il)
-        view = plain(KVView(kc, vc, group.kv_pos, slots, group.n_keep, NO_PAGING))
+        attend_fn = self.attention_address(kc.dtype) if attend_fn is None else attend_fn
+        view = plain(KVView(kc, vc, group.kv_pos, slots, group.n_keep, NO_PAGING, attend_fn))
         if cache.recurrent is None:
             return view
         return (view, *cache.recurrent.layer(il))
@@ -150,7 +159,8 @@ class CpuBackend(Backend):
 
         def kv_of(il):
             kc, vc, group, slots = cache.layer(il)
-            return plain(KVView(kc, vc, group.kv_pos, slots, group.n_keep, cache.paging(il, len(ids))))
+            return plain(KVView(kc, vc, group.kv_pos, slots, group.n_keep, cache.paging(il, len(ids)),
+                                self.attention_address(kc.dtype)))
 
         logits = self.forward_rows(ids, positions, kv_of, 0, cache.n_ctx)
         cache.commit(len(ids))

@@ -138,7 +138,7 @@ def _pool_arrays(kv_of, n_layer: int, pad: np.ndarray | None = None) -> list[np.
     per-row slots and row_seq taken at them)."""
     arrays, seen = [], set()
     for il in range(n_layer):
-        _, _, kv_pos, slots, _, (row_seq, tables, _, _) = kv_of(il)
+        _, _, kv_pos, slots, _, (row_seq, tables, _, _), _ = kv_of(il)
         for a, per_row in ((kv_pos, False), (slots, True), (row_seq, True), (tables, False)):
             if id(a) not in seen:
                 seen.add(id(a))
@@ -151,7 +151,7 @@ def _device_views(kv_of, n_layer: int, device_arrays: list) -> list[DeviceKV]:
     (uploaded in _pool_arrays order)."""
     index, views = {}, []
     for il in range(n_layer):
-        k, v, kv_pos, slots, n_keep, (row_seq, tables, shift, n_slots) = kv_of(il)
+        k, v, kv_pos, slots, n_keep, (row_seq, tables, shift, n_slots), _ = kv_of(il)
         for a in (kv_pos, slots, row_seq, tables):
             index.setdefault(id(a), len(index))
         d = [device_arrays[index[id(a)]] for a in (kv_pos, slots, row_seq, tables)]

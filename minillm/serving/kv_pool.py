@@ -100,6 +100,7 @@ class KVPool:
         rows = [self.groups[g].n_blocks * BLOCK if g else 0 for g in self.layer_groups]
         self.k = backend.pool_arrays(rows, cache_types[0])
         self.v = backend.pool_arrays(rows, cache_types[1])
+        self.attend_fn = backend.attention_address(self.k[0].dtype)
         recurrent = arch.recurrent_shapes()
         self.recurrent = RecurrentState(*recurrent, n_seqs=n_seqs) if recurrent else None
 
@@ -184,7 +185,7 @@ class KVPool:
 
         def kv_of(il: int) -> tuple:
             kv_pos, rows, paging = views[self.layer_groups[il] or "global"]
-            view = plain(KVView(self.k[il], self.v[il], kv_pos, rows, 0, paging))
+            view = plain(KVView(self.k[il], self.v[il], kv_pos, rows, 0, paging, self.attend_fn))
             return view if self.recurrent is None else (view, *self.recurrent.layer(il))
 
         return kv_of
