@@ -159,6 +159,38 @@ def test_warm_compiles_ahead_and_loads_only_the_models_own_products(tiny_llama):
     assert loaded.stdout.split() == ["['_lanes',", "'_lanes3']"]
 
 
+def test_warm_all_leaves_every_architectures_kernels_cached():
+    """`minillm warm --all` (what `make install` runs) leaves in Numba's cache the layer function
+    of every architecture, the F16 cache's attention and every quantized product: a first run
+    of any quantized model with an F16 cache loads them without compiling."""
+    out = subprocess.run([sys.executable, "-m", "minillm", "warm", "--all"], capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0 and "failed" not in out.stderr, out.stderr
+    assert out.stdout == "" and "ready: every architecture's kernels" in out.stderr
+    probe = ("import numpy as np; from minillm.arch import ARCHITECTURES; from minillm.backends.cpu import _layer_cached; "
+             "from minillm.kernels.cpu.attention_fns import attention_fn_cached; "
+             "from minillm.kernels.cpu.matmul import PRODUCT_IDS; from minillm.kernels.cpu.quant_products import "
+             "qproducts_cached; print(sorted(n for n, a in ARCHITECTURES.items() if not _layer_cached(a.layer_function)), "
+             "attention_fn_cached(np.uint16), all(map(qproducts_cached, PRODUCT_IDS.values())))")
+    cached = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert cached.stdout.split() == ["[]", "True", "True"], cached.stderr
+
+
+def test_warm_all_covers_every_layer_function():
+    """Each architecture runs one of the layer functions warm --all compiles on its synthetic models."""
+    from minillm.arch import ARCHITECTURES
+    from minillm.warm_all import LAYER_MODELS
+
+    warmed = {ARCHITECTURES[m["arch"]].layer_function for m in LAYER_MODELS.values()}
+    assert {a.layer_function for a in ARCHITECTURES.values()} == warmed
+
+
+@pytest.mark.parametrize("args", [(), ("--all", "models/none.gguf")])
+def test_warm_takes_a_model_or_all(args):
+    out = run("warm", *args)
+    assert out.returncode == 2 and "give a MODEL or --all" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_the_products_compile_inside_on_compile_when_they_are_not_cached(monkeypatch):
     """A first run's product kernels compile while the weights load, inside the caller's
     on_compile (the CLI's notice), once for all of them; cached, they load without it."""

@@ -31,7 +31,8 @@ class CpuBackend(Backend):
         # a first run on several cores: the products and attention compile in another process
         # while warm_up compiles the layer here; else here, now (loaded from the cache when they are there)
         self._products_elsewhere = None
-        if ((os.cpu_count() or 1) > 1 and not _layer_cached(arch.layer_function)
+        if ((os.cpu_count() or 1) > 1 and os.environ.get("MINILLM_COMPILE_ELSEWHERE") != "0"
+                and not _layer_cached(arch.layer_function)
                 and not (products_ready(*product_kinds(shapes)) and attention_fn_cached(cache_dtype))):
             self._products_elsewhere = ProductsElsewhere(shapes, cache_dtype)
         else:

@@ -171,8 +171,7 @@ def write_synthetic(path: Path, shape: str) -> Path:
     speed and memory at a real model's size without uploading one."""
     import gguf
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from synthetic import write_vocab  # a SentencePiece vocabulary of n_vocab tokens
+    from ..synthetic import write_vocab  # a SentencePiece vocabulary of n_vocab tokens
 
     s = SYNTHETIC_SHAPES[shape]
     rng = np.random.default_rng(0)

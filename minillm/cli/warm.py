@@ -1,5 +1,6 @@
 """`minillm warm MODEL`: compile the kernels a model needs ahead of its first run (for images,
-CI and installs), so that the first `generate` or `chat` starts warm."""
+CI and installs), so that the first `generate` or `chat` starts warm; `minillm warm --all`:
+every architecture's (minillm/warm_all.py; `make install` runs it)."""
 from __future__ import annotations
 
 import time
@@ -15,7 +16,7 @@ from .options import CACHE_TYPE_K, CACHE_TYPE_V, MODEL, THREADS
 
 def register(app: typer.Typer) -> None:
     """Add the `warm` command to `app`."""
-    app.command("warm")(takes_model()(warm_command))
+    app.command("warm")(takes_model(required=False)(warm_command))
 
 
 def warm_command(
@@ -23,11 +24,21 @@ def warm_command(
     threads: Optional[int] = THREADS,
     cache_type_k: str = CACHE_TYPE_K,
     cache_type_v: str = CACHE_TYPE_V,
+    every: bool = typer.Option(False, "--all", help="Compile every architecture's kernels (no MODEL): what "
+                               "`make install` runs."),
 ) -> None:
     """Compile the kernels a model needs ahead of its first run (for images and CI)."""
     from ..errors import MinillmError
     from ..model import Model
 
+    if every == (model is not None):
+        raise typer.BadParameter("give a MODEL or --all")
+    if every:
+        from ..warm_all import warm_all
+
+        err("Compiling every architecture's kernels for this machine (once)...")
+        err(f"ready: every architecture's kernels in {warm_all(err):.0f} s")
+        return
     start = time.perf_counter()
     m = Model(model, threads=threads, device="cpu", cache_types=(cache_type_k, cache_type_v), on_compile=compile_notice)
     m.warm_up(on_compile=compile_notice)

@@ -1,0 +1,99 @@
+"""Every architecture's CPU kernels compiled ahead (`minillm warm --all`, run by `make install`):
+the attention over F16 caches, every quantized product, and each compiled layer function with
+the operations it calls, on tiny synthetic models (synthetic.py). A first `generate` afterwards
+loads them from Numba's cache: seconds instead of a minute. The float products (F16, BF16,
+F32 weights) and the quantized caches' attention still compile when a model first uses them.
+
+The work is cut in tasks run in parallel processes, one a core: each task's functions are
+compiled by one process only, and the tasks that need the shared products and attention start
+once those are cached.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# one synthetic model per compiled layer function (arch modules' layer_function): every
+# architecture runs one of these three; name -> SyntheticModel's arguments
+LAYER_MODELS = {
+    "llama": dict(arch="llama", fmt="Q4_1"),  # llama, qwen2, qwen3, granite, phi3
+    "gemma": dict(arch="gemma3", fmt="Q4_K", formats={"ffn_down": "Q6_K"}),  # gemma2, gemma3
+    "qwen35": dict(arch="qwen35", fmt="Q4_K", n_layer=4, rope_dims=16,  # gated delta nets beside attention
+                   keys={"rope.dimension_sections": [3, 3, 2, 0]}),
+}
+# task -> the tasks it waits for: on two cores, attention beside the lanes products, then the
+# llama layer (with the operations and wrappers every layer shares) beside the K-quant
+# products, then the other two layers
+TASKS = {"attention": (), "lanes products": (), "llama": ("attention", "lanes products"),
+         "k-quant products": (), "gemma": ("llama", "k-quant products"), "qwen35": ("llama", "k-quant products")}
+
+
+def run_task(name: str) -> None:
+    """Compile (or load) one task's functions, in this process."""
+    import numpy as np
+
+    if name == "attention":
+        from .kernels.cpu.attention_fns import attention_fn
+
+        attention_fn(np.uint16)
+        return
+    if name.endswith("products"):
+        from .kernels.cpu import matmul as mm
+        from .weights import compile_products
+
+        lanes = {mm.PRODUCT_LANES, mm.PRODUCT_LANES_BLOCKS}
+        compile_products(lanes if name == "lanes products" else set(mm.PRODUCT_IDS.values()) - lanes, {None})
+        return
+    from .model import Model
+    from .synthetic import SyntheticModel
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = SyntheticModel(**LAYER_MODELS[name], vocab=True).build().write(Path(folder) / f"{name}.gguf")
+        Model(path, threads=None, device="cpu").warm_up()
+
+
+def warm_all(log) -> float:
+    """Run every task, as many at once as there are cores, each in a process of its own, a task
+    once those it waits for are done; log(line) as each ends. Seconds taken. A task that fails
+    is logged and the others go on (what it did not compile compiles on first use)."""
+    start = time.perf_counter()
+    slots = max(1, os.cpu_count() or 1)
+    waiting, running, done = list(TASKS), {}, set()
+    while waiting or running:
+        ready = [t for t in waiting if set(TASKS[t]) <= done]
+        while ready and len(running) < slots:
+            task = ready.pop(0)
+            waiting.remove(task)
+            errors = tempfile.TemporaryFile()
+            running[task] = (_spawn(task, errors), time.perf_counter(), errors)
+        finished = _wait_any(running)
+        proc, began, errors = running.pop(finished)
+        done.add(finished)
+        errors.seek(0)
+        last = (errors.read().decode(errors="replace").strip().splitlines() or ["?"])[-1]
+        errors.close()
+        if proc.returncode == 0:
+            log(f"  {finished}: compiled in {time.perf_counter() - began:.0f} s")
+        else:
+            log(f"  {finished}: failed ({last}); it compiles on first use instead")
+    return time.perf_counter() - start
+
+
+def _spawn(task: str, errors) -> subprocess.Popen:
+    code = "import sys; from minillm.warm_all import run_task; run_task(sys.argv[1])"
+    # the layers compile here, not in a process of their own beside (this task is one already)
+    env = dict(os.environ, MINILLM_COMPILE_ELSEWHERE="0")
+    return subprocess.Popen([sys.executable, "-c", code, task], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=errors, env=env)
+
+
+def _wait_any(running: dict) -> str:
+    while True:
+        for task, (proc, _, _) in running.items():
+            if proc.poll() is not None:
+                return task
+        time.sleep(0.05)
