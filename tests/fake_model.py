@@ -67,6 +67,9 @@ class FakeBackend:
         if feature != "rows":
             raise NotOnThisBackend(f"{feature} does not run on the fake backend")
 
+    def attention_address(self, cache_dtype) -> int:
+        return 0  # (its passes attend nowhere)
+
     def pool_budget(self) -> None:
         return None
 

@@ -91,12 +91,11 @@ NO_WEIGHTS = Weights(np.zeros(0, np.uint8), _NO_SCALES, _NO_SCALES, 0, 0, np.zer
 
 _SPLIT_BF16 = np.float32(65537.0)  # 2^(24-8) + 1: keeps bfloat16's 8 significant bits
 
+# Each function here compiles once, as its own library, for every architecture's layer: the
+# kernels under it (products, attention) are C functions called by address, so none of them is
+# compiled again into a caller, and an inlined wrapper (inline="always") would be typed again
+# in every layer.
 _SER = dict(cache=True, nogil=True)
-# Numba compiles the code of every njit function a function calls again into that function,
-# so each level of a call chain compiles all below it once more. The wrappers between a layer
-# and the kernels are inlined instead, and the kernels themselves (products, attention) are C
-# functions the layer calls by address.
-_WRAPPER = dict(cache=True, nogil=True)
 
 
 @nb.njit(**_SER)
@@ -142,14 +141,14 @@ def _round_row(x, t, fmt, out):
         out[t, k] = v
 
 
-@nb.njit(**_WRAPPER)
+@nb.njit(**_SER)
 def _activations(w, x):
     """x quantized for W's kind; for float weights, which read x itself, quantize's arrays of no rows."""
     kind = w[W_KIND]
     return quantize(x if kind >= 0 else x[:0], max(kind, 0))
 
 
-@nb.njit(**_WRAPPER)
+@nb.njit(**_SER)
 def _float_input(w, x):
     """x as W's float product reads it: rounded to F16's or BF16's values; x itself otherwise."""
     if w[W_KIND] < 0 and w[W_FLOAT_FORMAT] != FLOAT_F32:
@@ -163,7 +162,7 @@ def _same_input(w1, w2):
     return w2[W_KIND] == w1[W_KIND] and (w1[W_KIND] >= 0 or w2[W_FLOAT_FORMAT] == w1[W_FLOAT_FORMAT])
 
 
-@nb.njit(**_WRAPPER)
+@nb.njit(**_SER)
 def _apply(w, x, act):
     """out (T, N) = x @ W.T with act = _activations(W, x), x = _float_input(W, x) for float weights."""
     (data, scale, bias, offset, bits, fweight, n_rows, group, kind, float_format, sb, product, row_by_row,
@@ -179,7 +178,7 @@ def _apply(w, x, act):
     return out
 
 
-@nb.njit(**_WRAPPER)
+@nb.njit(**_SER)
 def linear(w, x):
     """out (T, N) = x (T, K) @ W.T, activations quantized as llama.cpp pairs them with W."""
     return _apply(w, _float_input(w, x), _activations(w, x))
@@ -195,7 +194,7 @@ def _lanes_together(w1, w2, w3):
             and w2[W_OFFSET] == offset and w3[W_OFFSET] == offset and w2[W_BITS] == bits and w3[W_BITS] == bits)
 
 
-@nb.njit(**_WRAPPER)
+@nb.njit(**_SER)
 def _lanes3(w1, w2, w3, n_mats, x):
     """(x @ W1.T, x @ W2.T, x @ W3.T or None-like) in one parallel region (see _lanes_together)."""
     q, d16, s16, n16, d32, s32, n32, n4 = quantize(x, w1[W_KIND])
@@ -213,7 +212,7 @@ def _float_token(w1, w2, w3, x):
     return x.shape[0] == 1 and w1[W_KIND] < 0 and _same_input(w1, w2) and _same_input(w1, w3)
 
 
-@nb.njit(**_WRAPPER)
+@nb.njit(**_SER)
 def _float_token_products(w1, w2, w3, n_mats, x):
     """(x @ W1.T, x @ W2.T, x @ W3.T or an empty array) for one token (see _float_token)."""
     xr = np.ascontiguousarray(_float_input(w1, x))
@@ -224,7 +223,7 @@ def _float_token_products(w1, w2, w3, n_mats, x):
     return o1, o2, o3
 
 
-@nb.njit(**_WRAPPER)
+@nb.njit(**_SER)
 def linear2(w1, w2, x):
     """(x @ W1.T, x @ W2.T), quantizing (or rounding) x once when both read it alike."""
     if _lanes_together(w1, w2, w1):
@@ -238,7 +237,7 @@ def linear2(w1, w2, x):
     return _apply(w1, x1, a1), _apply(w2, x2, a2)
 
 
-@nb.njit(**_WRAPPER)
+@nb.njit(**_SER)
 def linear3(w1, w2, w3, x):
     """(x @ W1.T, x @ W2.T, x @ W3.T), quantizing (or rounding) x once per distinct input."""
     if _lanes_together(w1, w2, w3):
@@ -263,7 +262,7 @@ def norm(x, weight, eps):
     return out
 
 
-@nb.njit(**_WRAPPER)
+@nb.njit(**_SER)
 def attend(q, k, v, positions, kv, window, scale, softcap, n_heads, n_kv_heads, head_dim):
     """Store this batch's k/v at their slots, then attention of q over the cache (kv: a KVView;
     with a pool's paging every row is computed as if alone) by the cache type's C function."""
@@ -307,7 +306,7 @@ def head_norm(x, weight, eps, n_heads, head_dim):
     return norm(x.reshape(T * n_heads, head_dim), weight, eps).reshape(T, n_heads * head_dim)
 
 
-@nb.njit(**_WRAPPER)
+@nb.njit(**_SER)
 def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, softcap, n_heads, n_kv_heads,
                 head_dim, rope_dims, neox):
     """RoPE on q and k (cos/sin rope_table), q *= q_scale, store k/v in the cache, attention
