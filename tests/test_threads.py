@@ -8,7 +8,7 @@ import pytest
 
 from conftest import loaded_model
 from minillm import threads
-from minillm.threads import ThreadGovernor, thread_choices
+from minillm.threads import OtherWork, ThreadGovernor, thread_choices
 
 
 def drive(governor, passes: int, seconds_on, rows: int = 1) -> list[int]:
@@ -60,10 +60,44 @@ def test_a_busy_core_moves_decode_to_the_threads_that_run_and_back_when_it_is_fr
 
 
 def test_prompt_passes_never_probe_and_run_on_the_count_decode_settled_on():
-    governor = ThreadGovernor(2)
+    """... where the other programs' work is not known."""
+    governor = ThreadGovernor(2, OtherWork(read=lambda: None))
     assert set(drive(governor, 300, idle, rows=512)) == {2}
     drive(governor, 400, one_core_busy)
     assert set(drive(governor, 50, lambda n, i: 0.2, rows=512)) == {1}
+
+
+def test_a_prompt_pass_runs_on_the_cores_other_programs_left_free(monkeypatch):
+    """The first long pass already: one core kept busy by another program since the last look
+    (all CPUs' busy time grows by that core's and ours), one thread; both free, two; within
+    LOOK_SECONDS of the last look, the count that look gave."""
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
+    clock = {"busy": 0.0, "own": 0.0, "wall": 0.0}
+    governor = ThreadGovernor(2, OtherWork(read=lambda: (clock["busy"], clock["own"], clock["wall"])))
+
+    def elapse(seconds, others_cores, own_cores):
+        clock["wall"] += seconds
+        clock["own"] += own_cores * seconds
+        clock["busy"] += (others_cores + own_cores) * seconds
+
+    elapse(0.5, 1.0, 0.3)
+    assert governor.choose(512) == 1
+    elapse(0.05, 0.0, 2.0)
+    assert governor.choose(512) == 1  # too soon to look again
+    elapse(0.5, 0.1, 1.0)
+    assert governor.choose(512) == 2
+    assert governor.choose(1) == governor.kept == 2  # decode keeps its own count
+
+
+def test_other_work_reads_this_machine():
+    """The look reads /proc/stat (Linux): this process spinning a core is its own work, not
+    others' (at most the other test worker's core is counted)."""
+    other_work = OtherWork()
+    start = threads.time.monotonic()
+    while threads.time.monotonic() - start < 0.3:
+        pass
+    others = other_work.busy_cores()
+    assert others is not None and 0.0 <= others < 1.5
 
 
 def test_one_thread_has_nothing_to_choose():
