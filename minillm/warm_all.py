@@ -25,11 +25,12 @@ LAYER_MODELS = {
     "qwen35": dict(arch="qwen35", fmt="Q4_K", n_layer=4, rope_dims=16,  # gated delta nets beside attention
                    keys={"rope.dimension_sections": [3, 3, 2, 0]}),
 }
-# task -> the tasks it waits for: on two cores, attention beside the lanes products, then the
-# llama layer (with the operations and wrappers every layer shares) beside the K-quant
-# products, then the other two layers
-TASKS = {"attention": (), "lanes products": (), "llama": ("attention", "lanes products"),
-         "k-quant products": (), "gemma": ("llama", "k-quant products"), "qwen35": ("llama", "k-quant products")}
+# task -> the tasks it waits for, in the order they start: on two cores, attention beside the
+# lanes products, then the llama layer (with the operations and wrappers every layer shares;
+# it compiles before its first pass needs attention) beside the K-quant products, then the
+# other two layers
+TASKS = {"attention": (), "lanes products": (), "llama": ("lanes products",), "k-quant products": (),
+         "qwen35": ("llama", "k-quant products"), "gemma": ("llama", "k-quant products")}
 
 
 def run_task(name: str) -> None:

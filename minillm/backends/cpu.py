@@ -27,16 +27,17 @@ class CpuBackend(Backend):
 
     def __init__(self, arch, cache_types: tuple[str, str], progress=None, on_compile=None):
         shapes = self._matrix_shapes(arch)
-        cache_dtype = np.dtype(CACHE_TYPES[cache_types[0]][0])  # (K and V caches share it: check_cache_types)
+        self.cache_dtype = np.dtype(CACHE_TYPES[cache_types[0]][0])  # (K and V share it: check_cache_types)
         # a first run on several cores: the products and attention compile in another process
-        # while warm_up compiles the layer here; else here, now (loaded from the cache when they are there)
+        # while warm_up compiles the layer here; else the products here, now (loaded from the
+        # cache when they are there), and attention at the first pass
         self._products_elsewhere = None
         if ((os.cpu_count() or 1) > 1 and os.environ.get("MINILLM_COMPILE_ELSEWHERE") != "0"
                 and not _layer_cached(arch.layer_function)
-                and not (products_ready(*product_kinds(shapes)) and attention_fn_cached(cache_dtype))):
-            self._products_elsewhere = ProductsElsewhere(shapes, cache_dtype)
+                and not (products_ready(*product_kinds(shapes)) and attention_fn_cached(self.cache_dtype))):
+            self._products_elsewhere = ProductsElsewhere(shapes, self.cache_dtype)
         else:
-            prepare_products(shapes, on_compile, cache_dtype)
+            prepare_products(shapes, on_compile)
         super().__init__(arch, cache_types, progress)
         keep_freed_memory()  # each pass's activations reuse the last pass's pages
         self.layer_function = arch.layer_function
@@ -183,18 +184,20 @@ class CpuBackend(Backend):
         compiles the kernels (minutes), inside on_compile() when given."""
         compiling = on_compile() if on_compile is not None and not self.kernels_cached() else nullcontext()
         with compiling:
+            # the layer first, by its arguments' types: it needs no address of a product or of
+            # attention, which on a first run compile meanwhile in another process (or task)
+            self.layer_function.compile(self._layer_types())
             if self._products_elsewhere is not None:
-                self.layer_function.compile(self._layer_types())
                 self._products_here()
             self.forward(np.zeros(1, np.int64), self.new_cache(2), 0)
         release_compiler_pages()
 
     def kernels_cached(self) -> bool:
         """Whether Numba's on-disk cache (wherever NUMBA_CACHE_DIR puts it) holds this
-        architecture's layer function for the current source. Numba has no public call for
-        this: its cache index is read the way Numba itself reads it (empty when the file is
-        missing or the source changed since)."""
-        return _layer_cached(self.layer_function)
+        architecture's layer function and its cache type's attention for the current source.
+        Numba has no public call for this: its cache index is read the way Numba itself reads
+        it (empty when the file is missing or the source changed since)."""
+        return _layer_cached(self.layer_function) and attention_fn_cached(self.cache_dtype)
 
 
 def _layer_cached(layer_function) -> bool:
