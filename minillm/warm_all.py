@@ -25,12 +25,13 @@ LAYER_MODELS = {
     "qwen35": dict(arch="qwen35", fmt="Q4_K", n_layer=4, rope_dims=16,  # gated delta nets beside attention
                    keys={"rope.dimension_sections": [3, 3, 2, 0]}),
 }
-# task -> the tasks it waits for, in the order they start: on two cores, attention beside the
-# lanes products, then the llama layer (with the operations and wrappers every layer shares;
-# it compiles before its first pass needs attention) beside the K-quant products, then the
-# other two layers
+# task -> the tasks it waits for, in the order they start. A layer's task compiles its layer
+# by its arguments' types first and then waits for the products and attention its first pass
+# needs, which other tasks compile. On two cores: attention beside the lanes products; the
+# llama layer (with the operations and wrappers every layer shares) beside the K-quant
+# products; then the other two layers.
 TASKS = {"attention": (), "lanes products": (), "llama": ("lanes products",), "k-quant products": (),
-         "qwen35": ("llama", "k-quant products"), "gemma": ("llama", "k-quant products")}
+         "qwen35": ("llama",), "gemma": ("llama",)}
 
 
 def run_task(name: str) -> None:
@@ -86,8 +87,8 @@ def warm_all(log) -> float:
 
 def _spawn(task: str, errors) -> subprocess.Popen:
     code = "import sys; from minillm.warm_all import run_task; run_task(sys.argv[1])"
-    # the layers compile here, not in a process of their own beside (this task is one already)
-    env = dict(os.environ, MINILLM_COMPILE_ELSEWHERE="0")
+    # a layer's products and attention: compiled by the other tasks, not by a process of its own
+    env = dict(os.environ, MINILLM_COMPILE_ELSEWHERE="siblings")
     return subprocess.Popen([sys.executable, "-c", code, task], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=errors, env=env)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from contextlib import nullcontext
 
 import numpy as np
@@ -75,10 +76,18 @@ class ProductsElsewhere:
     """A first run's products and attention compiled in another process (compile_products),
     while this one compiles the layer: two cores, two compilers. `join` waits for it; whatever
     it did not finish (it failed, or was killed) compiles here when its matrices get their
-    addresses. It ends with this process (Linux's parent-death signal)."""
+    addresses. It ends with this process (Linux's parent-death signal).
+    siblings=True: other processes compile them already (`warm --all`'s tasks); `join` waits
+    until they are in the cache (at most SIBLINGS_SECONDS)."""
 
-    def __init__(self, shapes, cache_dtype):
+    SIBLINGS_SECONDS = 300
+
+    def __init__(self, shapes, cache_dtype, siblings: bool = False):
         quantized, float_formats = product_kinds(shapes)
+        self.process = None
+        if siblings:
+            self.ready = lambda: products_ready(quantized, float_formats) and attention_fn_cached(cache_dtype)
+            return
         code = ("import ctypes, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "  # PR_SET_PDEATHSIG
                 "from minillm.weights import compile_products; "
                 "compile_products({int(a) for a in sys.argv[1].split()}, "
@@ -89,7 +98,12 @@ class ProductsElsewhere:
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def join(self) -> None:
-        self.process.wait()
+        if self.process is not None:
+            self.process.wait()
+            return
+        deadline = time.monotonic() + self.SIBLINGS_SECONDS
+        while not self.ready() and time.monotonic() < deadline:
+            time.sleep(0.25)
 
 
 def with_products(packed: tuple) -> tuple:

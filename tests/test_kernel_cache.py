@@ -234,12 +234,14 @@ def test_each_backend_recompiles_only_for_its_own_sources(tmp_path, monkeypatch)
     assert digests()[0] != cpu and digests()[1] != gpu
 
 
+@pytest.mark.parametrize("siblings", [False, True])
 @pytest.mark.parametrize("warm_up_first", [True, False])
-def test_a_first_runs_products_compile_in_another_process_beside_the_layer(monkeypatch, warm_up_first):
+def test_a_first_runs_products_compile_in_another_process_beside_the_layer(monkeypatch, warm_up_first, siblings):
     """On a first run with two cores the products compile in a second process while this one
     compiles the layer (here both are cached, so each only loads): the matrices pack without
     addresses, get them once that process is done (at warm_up, or at a pass before it), and
-    the logits are those of a model loaded the usual way."""
+    the logits are those of a model loaded the usual way. siblings: `warm --all`'s layer tasks,
+    whose products other tasks compile (no process of its own)."""
     import numpy as np
 
     from conftest import loaded_model, model_path
@@ -250,9 +252,12 @@ def test_a_first_runs_products_compile_in_another_process_beside_the_layer(monke
     monkeypatch.setattr(cpu, "_layer_cached", lambda layer_function: False)
     monkeypatch.setattr(cpu, "products_ready", lambda quantized, float_formats: False)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    if siblings:
+        monkeypatch.setenv("MINILLM_COMPILE_ELSEWHERE", "siblings")
     model = Model(model_path("smollm2"))
     backend = model.backend
     assert backend._products_elsewhere is not None and backend.output[-2:] == (0, 0)
+    assert (backend._products_elsewhere.process is None) == siblings
     real_compile = backend.layer_function.compile
     monkeypatch.setattr(backend.layer_function, "compile", lambda sig: compiled_for.append(sig) or real_compile(sig))
     if warm_up_first:
@@ -263,3 +268,21 @@ def test_a_first_runs_products_compile_in_another_process_beside_the_layer(monke
     assert backend._products_elsewhere is None and all(backend.output[-2:])
     assert np.array_equal(logits, loaded_model("smollm2").eval(ids, loaded_model("smollm2").new_cache(8), logits_from=0))
     assert len(backend.layer_function.overloads) == 1  # compiled for the types the passes use
+
+
+def test_a_layer_task_waits_until_its_siblings_products_are_cached(monkeypatch):
+    """ProductsElsewhere(siblings=True).join polls the cache until the products and attention
+    the other tasks compile are there."""
+    import numpy as np
+
+    from minillm import weights
+    from minillm.formats import FORMATS_BY_NAME
+
+    answers = iter([False, False, True])
+    monkeypatch.setattr(weights, "products_ready", lambda quantized, float_formats: next(answers))
+    monkeypatch.setattr(weights, "attention_fn_cached", lambda dtype: True)
+    monkeypatch.setattr(weights.time, "sleep", lambda seconds: None)
+    elsewhere = weights.ProductsElsewhere({(FORMATS_BY_NAME["Q8_0"], 64)}, np.uint16, siblings=True)
+    assert elsewhere.process is None
+    elsewhere.join()
+    assert next(answers, "asked three times") == "asked three times"

@@ -31,11 +31,12 @@ class CpuBackend(Backend):
         # a first run on several cores: the products and attention compile in another process
         # while warm_up compiles the layer here; else the products here, now (loaded from the
         # cache when they are there), and attention at the first pass
+        # (MINILLM_COMPILE_ELSEWHERE: "siblings", other processes compile them already; "0", here)
         self._products_elsewhere = None
-        if ((os.cpu_count() or 1) > 1 and os.environ.get("MINILLM_COMPILE_ELSEWHERE") != "0"
-                and not _layer_cached(arch.layer_function)
+        elsewhere = os.environ.get("MINILLM_COMPILE_ELSEWHERE")
+        if ((os.cpu_count() or 1) > 1 and elsewhere != "0" and not _layer_cached(arch.layer_function)
                 and not (products_ready(*product_kinds(shapes)) and attention_fn_cached(self.cache_dtype))):
-            self._products_elsewhere = ProductsElsewhere(shapes, self.cache_dtype)
+            self._products_elsewhere = ProductsElsewhere(shapes, self.cache_dtype, siblings=elsewhere == "siblings")
         else:
             prepare_products(shapes, on_compile)
         super().__init__(arch, cache_types, progress)
