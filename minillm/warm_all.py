@@ -4,9 +4,10 @@ the operations it calls, on tiny synthetic models (synthetic.py). A first `gener
 loads them from Numba's cache: seconds instead of a minute. The float products (F16, BF16,
 F32 weights) and the quantized caches' attention still compile when a model first uses them.
 
-The work is cut in tasks run in parallel processes, one a core: each task's functions are
-compiled by one process only, and the tasks that need the shared products and attention start
-once those are cached.
+The work is cut in tasks run in parallel processes, one a core, so that each function is
+compiled by one process only: a layer's task compiles its layer first, by its arguments'
+types, then waits for the products and attention its first pass needs, which the other tasks
+compile (weights.ProductsElsewhere(siblings=True)).
 """
 from __future__ import annotations
 
@@ -25,13 +26,11 @@ LAYER_MODELS = {
     "qwen35": dict(arch="qwen35", fmt="Q4_K", n_layer=4, rope_dims=16,  # gated delta nets beside attention
                    keys={"rope.dimension_sections": [3, 3, 2, 0]}),
 }
-# task -> the tasks it waits for, in the order they start. A layer's task compiles its layer
-# by its arguments' types first and then waits for the products and attention its first pass
-# needs, which other tasks compile. On two cores: attention beside the lanes products; the
-# llama layer (with the operations and wrappers every layer shares) beside the K-quant
-# products; then the other two layers.
-TASKS = {"attention": (), "lanes products": (), "llama": ("lanes products",), "k-quant products": (),
-         "qwen35": ("llama",), "gemma": ("llama",)}
+# task -> the tasks it waits for, in the order they start. On two cores: attention beside the
+# lanes products; the llama layer (with the operations and wrappers every layer shares) beside
+# the K-quant products; then the other two layers.
+TASKS = {"attention": (), "lanes products": (), "llama": (), "k-quant products": (), "qwen35": ("llama",),
+         "gemma": ("llama",)}
 
 
 def run_task(name: str) -> None:

@@ -62,14 +62,13 @@ def compile_products(quantized, float_formats, cache_dtype=None) -> None:
         qproducts(product)
 
 
-def prepare_products(shapes, on_compile=None, cache_dtype=None) -> None:
+def prepare_products(shapes, on_compile=None) -> None:
     """Compile (or load) the products' C functions for matrices of these (format, rows) before
-    they are packed (and the attention over caches of cache_dtype): inside on_compile() when
-    any must compile (a first run), so that a caller can show it."""
+    they are packed: inside on_compile() when any must compile (a first run), so that a caller
+    can show it."""
     kinds = product_kinds(shapes)
-    ready = products_ready(*kinds) and (cache_dtype is None or attention_fn_cached(cache_dtype))
-    with nullcontext() if on_compile is None or ready else on_compile():
-        compile_products(*kinds, cache_dtype)
+    with nullcontext() if on_compile is None or products_ready(*kinds) else on_compile():
+        compile_products(*kinds)
 
 
 class ProductsElsewhere:
