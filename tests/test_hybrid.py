@@ -166,6 +166,23 @@ def test_a_preempted_hybrid_sequence_starts_again_and_finishes_as_alone(model):
     assert h_high.result().tokens == alone_in_scheduler(model, high).tokens
 
 
+def test_a_hybrid_slot_is_reused_by_a_job_that_continues_all_of_it(model):
+    """The pool keeps a slot's state after its last token: a next turn that begins with all the
+    slot's tokens evaluates only its new ones; one that departs inside them starts again. Each
+    gives the tokens it gives alone."""
+    scheduler = model.scheduler(parallel=1, n_ctx=256, batch=64)
+    prompt = ids(30)
+    first = scheduler.submit(Request(prompt, 5, GREEDY, ignore_eos=True)).result()
+    follow = Request(prompt + first.tokens + ids(6, seed=5), 4, GREEDY, ignore_eos=True)
+    handle = scheduler.submit(follow)
+    assert handle.result().tokens == alone_in_scheduler(model, follow).tokens
+    assert handle.n_cached == len(prompt) + len(first.tokens) - 1  # (its last token was never evaluated)
+    departing = Request(prompt[:20] + ids(12, seed=6), 4, GREEDY, ignore_eos=True)
+    handle = scheduler.submit(departing)
+    assert handle.result().tokens == alone_in_scheduler(model, departing).tokens
+    assert handle.n_cached == 0
+
+
 def test_generate_and_batch_files_from_the_command_line(model_path, tmp_path):
     cli = [sys.executable, "-m", "minillm"]
     out = subprocess.run(cli + ["generate", str(model_path), "-p", "t1 t2 t3", "-n", "5", "--temp", "0",

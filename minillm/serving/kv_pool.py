@@ -12,8 +12,10 @@ Sequences here never run past their context (the scheduler stops them there), so
 group never wraps and no attention sinks are needed.
 
 A model with recurrent layers (layer group None) keeps each slot's recurrent state beside its
-cells (`recurrent`, a RecurrentState of n_seqs sequences); it cannot be cut back to a prefix, so
-such a pool reuses no prefix (`reusable`) and a slot's state starts again with its cells.
+cells (`recurrent`, a RecurrentState of n_seqs sequences): the state after the slot's last
+token, which cannot be cut back to a prefix. Such a pool reuses a slot's cells and state only
+for a job that continues all of it (`reusable_prefix`: a chat's next turn, a preempted request
+back in its slot); else the slot's state starts again with its cells.
 """
 from __future__ import annotations
 
@@ -150,21 +152,27 @@ class KVPool:
             self.groups[name].assign(seq, entries)
 
     def release(self, seq: int, keep: int = 0) -> None:
-        """Free seq's cells from position `keep` on (all of them by default; its recurrent state
-        with them: it cannot keep a prefix)."""
+        """Free seq's cells from position `keep` on (all of them by default, its recurrent state
+        with them; a recurrent pool keeps a prefix only whole: reusable_prefix)."""
         for g in self.groups.values():
             g.release(seq, keep)
-        if self.recurrent is not None:
+        if self.recurrent is not None and keep == 0:
             self.recurrent.clear(seq)
 
     def blocks_held(self, seq: int) -> int:
         return sum(g.blocks_held(seq) for g in self.groups.values())
 
-    def reusable(self, n_past: int) -> bool:
-        """Whether a sequence of n_past positions can be cut back to a prefix: no ring of it
-        has wrapped (a wrapped ring has overwritten positions the prefix still needs), and no
-        recurrent state has gone past it."""
-        return self.recurrent is None and all(n_past <= g.n_slots for g in self.groups.values())
+    def reusable_prefix(self, n_past: int, n_shared: int) -> int:
+        """How many positions of a sequence of n_past a job that shares its first n_shared
+        tokens keeps: all n_shared where the sequence can be cut back (no ring of it has
+        wrapped: a wrapped ring has overwritten positions the prefix still needs); with
+        recurrent state, which holds the whole sequence, n_past where the job shares all of it,
+        else none."""
+        if any(n_past > g.n_slots for g in self.groups.values()):
+            return 0
+        if self.recurrent is not None and n_shared != n_past:
+            return 0
+        return n_shared
 
     def batch_kv(self, row_seq: np.ndarray, positions: np.ndarray):
         """kv_of(il) for Backend.forward_rows: each layer's KVView for a batch of rows

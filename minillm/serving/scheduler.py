@@ -422,12 +422,10 @@ class Scheduler:
         tokens = job.tokens
 
         def shared(slot: _Slot) -> int:
-            if not self.pool.reusable(len(slot.tokens)):
-                return 0
             n, limit = 0, min(len(slot.tokens), len(tokens) - 1)  # leave one token to evaluate
             while n < limit and slot.tokens[n] == tokens[n]:
                 n += 1
-            return n
+            return self.pool.reusable_prefix(len(slot.tokens), n)
 
         slot = max(free, key=lambda s: (shared(s), -s.last_used))
         if job.request.draft and job.speculation.active:  # the draft decodes in the slot's session
