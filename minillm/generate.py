@@ -27,6 +27,8 @@ class Session:
         self.batch_size = min(batch_size, self.n_ctx - N_KEEP)
         self.cache = model.new_cache(self.n_ctx, n_keep=N_KEEP, batch_size=self.batch_size)
         self.tokens: list[int] = []  # every token evaluated into the cache, in order
+        self._prompt_end = None     # recurrent state: where the last prompt's snapshot is
+        self._pass_snapshot = None  # and the one before the last pass of guesses
 
     def reset(self) -> None:
         self.cache.clear()
@@ -59,7 +61,8 @@ class Session:
                                  batch_size=self.batch_size)
         self.tokens.extend(ids[reuse:])
         if self.cache.recurrent is not None:  # the next prompt may share this one whole
-            self.cache.recurrent.save(len(self.tokens))
+            self._prompt_end = len(self.tokens)
+            self.cache.recurrent.save(self._prompt_end)
         self.n_evaluated = len(ids) - reuse
         return logits[-1]
 
@@ -120,6 +123,8 @@ class Session:
             guesses = speculation.guesses(history, room)
         ids = [token] + guesses
         t0 = time.perf_counter()
+        if guesses and self.cache.recurrent is not None:  # the state before them, to take guesses back
+            self._snapshot_before_pass()
         if guesses:
             logits = self.model.backend.forward_each_alone(np.array(ids, np.int64), self.cache)
         else:
@@ -130,10 +135,27 @@ class Session:
         return list(zip(logits, guesses + [None]))
 
     def _take_back(self, n: int) -> None:
-        """Forget the last n tokens evaluated (rows of guesses that were not taken)."""
-        if n:
-            del self.tokens[-n:]
+        """Forget the last n tokens evaluated (rows of guesses that were not taken). Recurrent
+        state cannot be cut back: it returns to the snapshot before the pass, and the rows kept
+        are evaluated again (each as alone, as the pass computed them)."""
+        if not n:
+            return
+        del self.tokens[-n:]
+        if self.cache.recurrent is None:
             self.cache.rewind(len(self.tokens))
+            return
+        kept = self.cache.truncate(len(self.tokens))
+        if kept < len(self.tokens):
+            self.model.backend.forward_each_alone(np.array(self.tokens[kept:], np.int64), self.cache)
+
+    def _snapshot_before_pass(self) -> None:
+        """Save the state after the tokens so far, in place of the last pass's snapshot (the
+        prompt's own stays, for a next prompt that shares it)."""
+        recurrent = self.cache.recurrent
+        if self._pass_snapshot not in (None, len(self.tokens), self._prompt_end):
+            recurrent.forget(self._pass_snapshot)
+        self._pass_snapshot = len(self.tokens)
+        recurrent.save(len(self.tokens))
 
 
 def beam_search(model, prompt_ids: list[int], max_tokens: int, n_beams: int, n_ctx: int | None = None,

@@ -144,7 +144,7 @@ class KVCache:
     def paging(self, il: int, n_rows: int) -> tuple:
         """Layer il's own slots as attention_rows reads a pool (no block table: shift -1), for
         rows each computed as a lone token (CpuBackend.forward_each_alone)."""
-        group = self.groups[self.layer_groups[il]]
+        group = self.groups[self.layer_groups[il] or "global"]
         return plain(Paging(np.zeros(n_rows, np.int64), np.zeros((1, 1), np.int64), -1, group.n_slots))
 
     def layer(self, il: int):
@@ -155,11 +155,13 @@ class KVCache:
 
     def truncate(self, n: int) -> int:
         """Forget every token at position >= n (to re-evaluate from there); the tokens kept: n,
-        or, where recurrent state has no snapshot at n, 0 (every token evaluated again)."""
+        or, with recurrent state, the position of its latest snapshot at or before n (0 where
+        there is none: every token evaluated again)."""
         if self.wrapped and n < self.n_past:
             raise ValueError("cannot rewind a cache whose ring has wrapped")
         if self.recurrent is not None and n < self.n_past:
-            if not self.recurrent.restore(n):
+            n = self.recurrent.restore(n)
+            if n is None:
                 n = 0
                 self.recurrent.clear()
             self._rewind(n)
@@ -168,10 +170,8 @@ class KVCache:
         return n
 
     def headroom(self) -> int:
-        """Tokens that can be evaluated and then taken back with rewind (speculative decoding;
-        none where recurrent state cannot be taken back)."""
-        if self.recurrent is not None:
-            return 0
+        """Tokens that can be evaluated and then taken back (speculative decoding): with rewind,
+        or, with recurrent state, with truncate to a snapshot taken before them."""
         return min(g.headroom(self.n_past) for g in self.groups.values())
 
     def rewind(self, n: int) -> None:

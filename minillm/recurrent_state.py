@@ -42,17 +42,23 @@ class RecurrentState:
         for old in sorted(self.snapshots)[:-keep]:
             del self.snapshots[old]
 
-    def restore(self, n_past: int) -> bool:
-        """Put back the state saved after n_past tokens; False (nothing changed) if none was."""
-        saved = self.snapshots.get(n_past)
-        if saved is None:
-            return False
-        for il, a in saved[0].items():
+    def restore(self, n_past: int) -> int | None:
+        """Put back the latest state saved after at most n_past tokens: its position, or None
+        (nothing changed) if none was."""
+        at = max((n for n in self.snapshots if n <= n_past), default=None)
+        if at is None:
+            return None
+        conv, ssm = self.snapshots[at]
+        for il, a in conv.items():
             self.conv[il][...] = a
-        for il, a in saved[1].items():
+        for il, a in ssm.items():
             self.ssm[il][...] = a
-        self.snapshots = {n: s for n, s in self.snapshots.items() if n <= n_past}
-        return True
+        self.snapshots = {n: s for n, s in self.snapshots.items() if n <= at}
+        return at
+
+    def forget(self, n_past: int) -> None:
+        """Drop the snapshot after n_past tokens, if there is one."""
+        self.snapshots.pop(n_past, None)
 
     def clear(self, seq: int | None = None) -> None:
         """Zero every sequence's state (and forget the snapshots), or sequence seq's."""

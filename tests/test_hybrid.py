@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import minillm
-from arch_cases import build
+from arch_cases import CASES, build
 from conftest import DATA
 from llama_ref.record_hybrid import PPL_CHUNKS, PPL_CTX, QUANT_TYPE, hybrid_text, tensor_hashes
 from minillm.kernels.cpu.target import GGML_AVX512
@@ -99,12 +99,42 @@ def test_generation_stops_at_a_full_context(model):
         model.eval(ids(3), cache)
 
 
-@pytest.mark.parametrize("feature", ["lookup", "scheduler lookup", "imatrix"])
+@pytest.mark.parametrize("guesser", ["fixed", "draft"])
+def test_speculative_decoding_takes_back_the_state_of_rejected_guesses(model, guesser, tmp_path, monkeypatch):
+    """Guesses verified several a pass: a rejected guess's rows leave the state as the snapshot
+    before the pass plus the rows kept, so the tokens are plain greedy decoding's. fixed: three
+    passes each guessing two right tokens, then a wrong one; draft: another qwen35 model."""
+    from minillm.speculative import Speculation, SpeculationParams
+    from test_speculative import FixedGuesses
+
+    prompt = ids(30)
+    plain = alone(model, prompt, 16)
+    monkeypatch.setattr(Speculation, "n_to_guess", lambda self, cls=0: self.params.draft_max)
+    monkeypatch.setattr(Speculation, "expects_to_guess", lambda self: True)
+    if guesser == "fixed":  # after history of len(prompt) + i: plain[i], plain[i + 1], then not plain[i + 2]
+        table = {len(prompt) + i: [plain[i], plain[i + 1], plain[i + 2] % 299 + 1] for i in (1, 5, 9)}
+        speculation = Speculation(FixedGuesses(table), SpeculationParams())
+    else:
+        draft_model = SyntheticModel(seed=1, vocab=True, **CASES["qwen35"]).build()
+        draft = minillm.load(draft_model.write(tmp_path / "draft.gguf"))
+        speculation = make_speculation(model, 256, draft=draft, params=SpeculationParams(draft_max=4, p_min=0.0))
+    session = Session(model, n_ctx=256)
+    chunks = list(session.generate(prompt, 16, GREEDY, ignore_eos=True, speculation=speculation))
+    assert [c.token for c in chunks if c.token is not None] == plain
+    timings = chunks[-1].timings
+    if guesser == "fixed":
+        assert (timings.n_drafted, timings.n_accepted) == (9, 6)
+    else:  # a draft of other weights: its guesses are mostly rejected
+        assert timings.n_drafted > timings.n_accepted
+    again = prompt + ids(5, seed=9)  # the prompt's snapshot outlived the passes' own
+    assert greedy(session, again, 4) == alone(model, again, 4) and session.n_evaluated == 5
+
+
+@pytest.mark.parametrize("feature", ["scheduler lookup", "imatrix"])
 def test_what_the_state_cannot_do_yet_is_refused_by_name(model, feature):
     from minillm.quality.imatrix import compute_imatrix
 
-    run = {"lookup": lambda: make_speculation(model, 256, lookup=True),
-           "scheduler lookup": lambda: model.scheduler().submit(Request(ids(10), 4, GREEDY, lookup=True)),
+    run = {"scheduler lookup": lambda: model.scheduler().submit(Request(ids(10), 4, GREEDY, lookup=True)),
            "imatrix": lambda: compute_imatrix(model, "some text " * 200, "t.txt", n_ctx=64)}[feature]
     with pytest.raises(minillm.MinillmError, match="does not run qwen35 models yet"):
         run()

@@ -162,8 +162,9 @@ class CpuBackend(Backend):
 
         def kv_of(il):
             kc, vc, group, slots = cache.layer(il)
-            return plain(KVView(kc, vc, group.kv_pos, slots, group.n_keep, cache.paging(il, len(ids)),
+            view = plain(KVView(kc, vc, group.kv_pos, slots, group.n_keep, cache.paging(il, len(ids)),
                                 self.attention_address(kc.dtype)))
+            return view if cache.recurrent is None else (view, *cache.recurrent.layer(il))
 
         logits = self.forward_rows(ids, positions, kv_of, 0, cache.n_ctx)
         cache.commit(len(ids))

@@ -299,6 +299,7 @@ class Scheduler:
             raise MinillmError("choose a draft model or prompt lookup, not both")
         if request.draft or request.lookup:
             self.model.backend.check_supports("speculation")
+            self.model.backend.check_supports("batched speculation")  # (its pool takes back no state)
         job = _Job(self, request, ids, next(self._arrivals))
         if request.max_tokens == 0:
             job.finish("length", time.perf_counter())
