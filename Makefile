@@ -5,15 +5,23 @@ PY := $(VENV)/bin/python
 MODELS := models/SmolLM2-135M-Instruct.Q4_1.gguf models/gemma-3-270m-q4_k_m.gguf
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: install models test test-fast bench bench-serve bench-speculative run gpu-check gpu-parts clean
+.PHONY: install install-dev models test test-fast bench bench-serve bench-speculative run gpu-check gpu-parts clean
 
+# what a user runs (the CLI and its server), with every CPU kernel compiled ahead
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,cuda,server,cluster]'
+	$(PY) -m pip install --quiet -e '.[server]'
 	$(PY) -m minillm warm --all
+	touch $@
+
+# and what the tests and gpu-check need besides: pytest, OpenAI's client, numba-cuda, Ray Serve
+install-dev: $(VENV)/.installed-dev
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[test,cuda,server,cluster]'
 	touch $@
 
 models: install
@@ -22,10 +30,10 @@ models: install
 # two workers (a test file each) overlap the kernels' first compilation; OpenMP threads sleep
 # rather than spin while they wait, as two workers share the cores
 TEST_WORKERS ?= 2
-test: install models
+test: install-dev models
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
-test-fast: install
+test-fast: install-dev
 	$(PY) -m pytest -q -m "not slow"
 
 # LLAMA_BENCH=path/to/llama-bench (tests/llama_ref/build.sh builds it): llama.cpp measured beside us
@@ -55,7 +63,7 @@ gpu-check:
 	@$(PYTHON) -c "import gguf" 2>/dev/null || { echo "gpu-check: the gguf package is missing (or its pyyaml): put their wheels in wheels/" >&2; exit 1; }
 	$(PYTHON) -m minillm.cli.gpu_check --out $(GPU_CHECK_OUT)
 else
-gpu-check: install models
+gpu-check: install-dev models
 	$(PY) -m minillm.cli.gpu_check --out $(GPU_CHECK_OUT)
 endif
 
