@@ -62,10 +62,17 @@ ARCH_EXTRAS = {
     "gemma2": ("post_attention_norm", "post_ffw_norm"),
     "gemma3": ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"),
     "qwen35": (),  # its own layers (SyntheticModel.add_qwen35_layer)
+    "lfm2": (),    # its own layers (SyntheticModel.add_lfm2_layer)
 }
 # Qwen3.5's gated delta net in the small models: Hk key heads and Hv value heads of S values,
 # a convolution of Kc, attention every INTERVAL-th layer
 QWEN35_SSM = dict(S=64, Hk=2, Hv=4, Kc=4, interval=4)
+# LFM2's: a short convolution of LFM2_CONV, attention on the layers il % 3 == 2
+LFM2_CONV = 3
+
+
+def lfm2_is_attention(il: int) -> bool:
+    return il % 3 == 2
 
 
 class SyntheticModel:
@@ -118,13 +125,16 @@ class SyntheticModel:
         q_dim, kv_dim = self.n_head * D, self.n_head_kv * D
         extras = ARCH_EXTRAS[self.arch]
         self.add("token_embd.weight", self.n_vocab, E, "Q8_0" if self.fmt in F16_FIELDS else self.fmt)
-        self.add_norm("output_norm.weight", E)
+        self.add_norm("token_embd_norm.weight" if self.arch == "lfm2" else "output_norm.weight", E)
         for name, values in self.extra_tensors.items():
             self.tensors[name] = (np.asarray(values, np.float32), "F32", (len(values),))
         for il in range(self.n_layer):
             p = f"blk.{il}."
             if self.arch == "qwen35":
                 self.add_qwen35_layer(il)
+                continue
+            if self.arch == "lfm2":
+                self.add_lfm2_layer(il)
                 continue
             self.add_norm(p + "attn_norm.weight", E)
             if FUSED_QKV in extras:
@@ -180,6 +190,28 @@ class SyntheticModel:
         self.add(p + "ffn_up.weight", F, E)
         self.add(p + "ffn_down.weight", E, F)
 
+    def add_lfm2_layer(self, il: int) -> None:
+        """A gated short-convolution layer, or attention with q/k norms; SwiGLU FFN."""
+        E, F, D, p = self.n_embd, self.n_ff, self.head_dim, f"blk.{il}."
+        self.add_norm(p + "attn_norm.weight", E)
+        if lfm2_is_attention(il):
+            self.add(p + "attn_q.weight", self.n_head * D, E)
+            self.add(p + "attn_k.weight", self.n_head_kv * D, E)
+            self.add(p + "attn_v.weight", self.n_head_kv * D, E)
+            self.add(p + "attn_output.weight", E, self.n_head * D)
+            self.add_norm(p + "attn_q_norm.weight", D)
+            self.add_norm(p + "attn_k_norm.weight", D)
+        else:
+            self.add(p + "shortconv.in_proj.weight", 3 * E, E)
+            self.add(p + "shortconv.out_proj.weight", E, E)
+            conv = (0.5 * self.rng.standard_normal((E, LFM2_CONV))).astype(np.float32)
+            self.tensors[p + "shortconv.conv.weight"] = (conv, "F32", (E, LFM2_CONV))
+            self.values[p + "shortconv.conv.weight"] = conv
+        self.add_norm(p + "ffn_norm.weight", E)
+        self.add(p + "ffn_gate.weight", F, E)
+        self.add(p + "ffn_up.weight", F, E)
+        self.add(p + "ffn_down.weight", E, F)
+
     def write(self, path: Path) -> Path:
         w = gguf.GGUFWriter(str(path), self.arch)
         a = self.arch
@@ -188,7 +220,15 @@ class SyntheticModel:
         w.add_uint32(f"{a}.embedding_length", self.n_embd)
         w.add_uint32(f"{a}.feed_forward_length", self.n_ff)
         w.add_uint32(f"{a}.attention.head_count", self.n_head)
-        w.add_uint32(f"{a}.attention.head_count_kv", self.n_head_kv)
+        if a == "lfm2":  # a count per layer: 0 on the short-convolution layers (keys: another value, None)
+            defaults = {"attention.head_count_kv": [self.n_head_kv if lfm2_is_attention(il) else 0
+                                                    for il in range(self.n_layer)],
+                        "shortconv.l_cache": LFM2_CONV}
+            for key, value in defaults.items():
+                if key not in self.keys:
+                    (w.add_array if isinstance(value, list) else w.add_uint32)(f"{a}.{key}", value)
+        else:
+            w.add_uint32(f"{a}.attention.head_count_kv", self.n_head_kv)
         w.add_uint32(f"{a}.attention.key_length", self.head_dim)
         w.add_uint32(f"{a}.attention.value_length", self.head_dim)
         w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)

@@ -19,18 +19,19 @@ import time
 from pathlib import Path
 
 # one synthetic model per compiled layer function (arch modules' layer_function): every
-# architecture runs one of these three; name -> SyntheticModel's arguments
+# architecture runs one of these; name -> SyntheticModel's arguments
 LAYER_MODELS = {
     "llama": dict(arch="llama", fmt="Q4_1"),  # llama, qwen2, qwen3, granite, phi3
     "gemma": dict(arch="gemma3", fmt="Q4_K", formats={"ffn_down": "Q6_K"}),  # gemma2, gemma3
     "qwen35": dict(arch="qwen35", fmt="Q4_K", n_layer=4, rope_dims=16,  # gated delta nets beside attention
                    keys={"rope.dimension_sections": [3, 3, 2, 0]}),
+    "lfm2": dict(arch="lfm2", fmt="Q4_K", n_layer=4, formats={"ffn_down": "Q6_K"}),  # short convolutions beside attention
 }
 # task -> the tasks it waits for, in the order they start. On two cores: attention beside the
 # lanes products; the llama layer (with the operations and wrappers every layer shares) beside
-# the K-quant products; then the other two layers.
+# the K-quant products; then the other layers.
 TASKS = {"attention": (), "lanes products": (), "llama": (), "k-quant products": (), "qwen35": ("llama",),
-         "gemma": ("llama",)}
+         "gemma": ("llama",), "lfm2": ("llama",)}
 
 
 def run_task(name: str) -> None:

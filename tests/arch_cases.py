@@ -59,6 +59,12 @@ CASES = {
     "qwen35-q4_k_m": dict(arch="qwen35", fmt="Q4_K", n_layer=4, rope_dims=16,
                           formats={"attn_qkv": "Q6_K", "attn_v": "Q6_K", "ffn_down": "Q6_K"},
                           keys={"rope.dimension_sections": [3, 3, 2, 0]}),
+    # two short-convolution layers, attention (q/k norms), a short-convolution layer; the FFN in
+    # K-quants as llama-quantize's Q4_K_M mix would have it
+    "lfm2": dict(arch="lfm2", fmt="Q8_0", n_layer=4, formats={"ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}),
+    # the attention layer with a sliding window of 8 (LFM2's sliding_window key), Q4_0 repacked
+    "lfm2-swa": dict(arch="lfm2", fmt="Q4_0", n_layer=4, keys={"attention.sliding_window": 8},
+                     formats={"shortconv.in_proj": "Q8_0"}),
     "granite": dict(arch="granite", fmt="Q4_1",
                     keys={"logit_scale": 8.0, "residual_scale": 0.22, "embedding_scale": 12.0,
                           "attention.scale": 0.0078125}),

@@ -1,6 +1,7 @@
-"""Models with recurrent layers (Qwen3.5's gated delta nets beside attention): the state each
-sequence carries, wherever a KV cache is used, and what is refused while the state cannot do
-it. The logits themselves are checked against llama.cpp in test_architectures.py ("qwen35")."""
+"""Models with recurrent layers (Qwen3.5's gated delta nets, LFM2's short convolutions, beside
+attention): the state each sequence carries, wherever a KV cache is used, and what is refused
+while the state cannot do it. The logits themselves are checked against llama.cpp in
+test_architectures.py ("qwen35", "lfm2", ...)."""
 import json
 import subprocess
 import sys
@@ -20,16 +21,28 @@ from minillm.speculative import make_speculation
 from synthetic import SyntheticModel
 
 GREEDY = SamplingParams(temperature=0)
+HYBRIDS = ["qwen35", "lfm2"]  # the small model of each architecture with recurrent layers (arch_cases)
+
+
+def hybrid_path(tmp_path_factory, name):
+    return build(name).write(tmp_path_factory.mktemp(name) / f"{name}.gguf")
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def hybrid_case(request, tmp_path_factory):
+    """(case name, its file, the model), each architecture's in turn."""
+    path = hybrid_path(tmp_path_factory, request.param)
+    return request.param, path, minillm.load(path)
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build("qwen35").write(tmp_path_factory.mktemp("qwen35") / "qwen35.gguf")
+def model(hybrid_case):
+    return hybrid_case[2]
 
 
 @pytest.fixture(scope="module")
-def model(model_path):
-    return minillm.load(model_path)
+def model_path(hybrid_case):
+    return hybrid_case[1]
 
 
 def ids(n: int, seed: int = 0) -> list[int]:
@@ -103,7 +116,7 @@ def test_generation_stops_at_a_full_context(model):
 def test_speculative_decoding_takes_back_the_state_of_rejected_guesses(model, guesser, tmp_path, monkeypatch):
     """Guesses verified several a pass: a rejected guess's rows leave the state as the snapshot
     before the pass plus the rows kept, so the tokens are plain greedy decoding's. fixed: three
-    passes each guessing two right tokens, then a wrong one; draft: another qwen35 model."""
+    passes each guessing two right tokens, then a wrong one; draft: another model of the architecture."""
     from minillm.speculative import Speculation, SpeculationParams
     from test_speculative import FixedGuesses
 
@@ -115,7 +128,7 @@ def test_speculative_decoding_takes_back_the_state_of_rejected_guesses(model, gu
         table = {len(prompt) + i: [plain[i], plain[i + 1], plain[i + 2] % 299 + 1] for i in (1, 5, 9)}
         speculation = Speculation(FixedGuesses(table), SpeculationParams())
     else:
-        draft_model = SyntheticModel(seed=1, vocab=True, **CASES["qwen35"]).build()
+        draft_model = SyntheticModel(seed=1, vocab=True, **CASES[model.arch.name]).build()
         draft = minillm.load(draft_model.write(tmp_path / "draft.gguf"))
         speculation = make_speculation(model, 256, draft=draft, params=SpeculationParams(draft_max=4, p_min=0.0))
     session = Session(model, n_ctx=256)
@@ -136,7 +149,7 @@ def test_what_the_state_cannot_do_yet_is_refused_by_name(model, feature):
 
     run = {"scheduler lookup": lambda: model.scheduler().submit(Request(ids(10), 4, GREEDY, lookup=True)),
            "imatrix": lambda: compute_imatrix(model, "some text " * 200, "t.txt", n_ctx=64)}[feature]
-    with pytest.raises(minillm.MinillmError, match="does not run qwen35 models yet"):
+    with pytest.raises(minillm.MinillmError, match=f"does not run {model.arch.name} models yet"):
         run()
 
 
@@ -252,6 +265,25 @@ def test_a_bad_file_gets_one_error_naming_the_key_or_tensor(tmp_path, keys, drop
     assert named in str(e.value)
 
 
+@pytest.mark.parametrize("keys,drop,named", [
+    ({"shortconv.l_cache": None}, None, "lfm2.shortconv.l_cache"),
+    ({"attention.head_count_kv": [0, 0, 2]}, None, "lfm2.attention.head_count_kv"),
+    ({"attention.head_count_kv": [0, 4, 2, 0]}, None, "lfm2.attention.head_count_kv"),
+    ({}, "blk.1.shortconv.conv.weight", "blk.1.shortconv.conv.weight"),
+    ({}, "token_embd_norm.weight", "token_embd_norm.weight"),
+    ({}, "blk.2.attn_k_norm.weight", "blk.2.attn_k_norm.weight"),
+])
+def test_a_bad_lfm2_file_gets_one_error_naming_the_key_or_tensor(tmp_path, keys, drop, named):
+    m = SyntheticModel(arch="lfm2", fmt="Q8_0", n_layer=4, n_embd=64, head_dim=16, n_ff=64, n_vocab=40,
+                       keys=keys).build()
+    if drop:
+        del m.tensors[drop]
+    path = m.write(tmp_path / "bad.gguf")
+    with pytest.raises(minillm.MinillmError) as e:
+        minillm.load(path)
+    assert named in str(e.value)
+
+
 def test_mtp_blocks_are_left_unread(tmp_path):
     """A file whose last block is a next-token-prediction block loads the others and runs them."""
     m = small(keys={"rope.dimension_sections": [2, 1, 1, 0], "nextn_predict_layers": 1})
@@ -273,15 +305,17 @@ def test_perplexity_equals_llama_perplexity(model):
     from minillm.quality.perplexity import perplexity
 
     result = perplexity(model, hybrid_text(), n_ctx=PPL_CTX, n_chunks=PPL_CHUNKS)
-    assert f"{result.ppl:.4f}" == f"{REFERENCE['ppl']['avx512' if GGML_AVX512 else 'avx2']:.4f}"
+    ref = REFERENCE[model.arch.name]["ppl"]["avx512" if GGML_AVX512 else "avx2"]
+    assert f"{result.ppl:.4f}" == f"{ref:.4f}"
 
 
-def test_quantize_equals_llama_quantize(model_path, tmp_path):
-    """Every tensor of minillm's Q4_K_M file (the delta-net tensors' types included) has the
-    type and bytes of llama-quantize's."""
+def test_quantize_equals_llama_quantize(hybrid_case, tmp_path):
+    """Every tensor of minillm's Q4_K_M file (the recurrent layers' tensors' types included) has
+    the type and bytes of llama-quantize's."""
+    name, path, _ = hybrid_case
     out = tmp_path / "q.gguf"
-    minillm.quantize(model_path, out, QUANT_TYPE, allow_requantize=True)
-    assert tensor_hashes(out) == REFERENCE["quantized"]
+    minillm.quantize(path, out, QUANT_TYPE, allow_requantize=True)
+    assert tensor_hashes(out) == REFERENCE[name]["quantized"]
 
 
 def test_the_server_serves_a_hybrid_model_to_several_clients(model_path):

@@ -1,4 +1,5 @@
-"""The recurrent layers' kernels (Qwen3.5's gated delta net), as ggml's CPU ops compute them.
+"""The recurrent layers' kernels (Qwen3.5's gated delta net, LFM2's short convolution), as
+ggml's CPU ops compute them.
 
 Shapes: T tokens in the batch, C convolution channels (the q, k and v projections side by side),
 Kc the convolution's width, Hk key heads and Hv value heads of S values each (keys and values
@@ -77,8 +78,8 @@ def _unfused_taps(Kc):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _conv_row(x, conv_state, taps, t, ones, out):
-    """Row t of conv_silu: each tap's inputs across the channels, times its weights."""
+def _conv_row(x, conv_state, taps, t, ones, out, silu):
+    """Row t of causal_conv: each tap's inputs across the channels, times its weights."""
     Kc = taps.shape[0]
     unfused = _unfused_taps(Kc)
     row = out[t]
@@ -93,19 +94,20 @@ def _conv_row(x, conv_state, taps, t, ones, out):
         else:
             for c in range(row.shape[0]):
                 row[c] = fma(inputs[c], tap[c], row[c])
-    _silu_row(row, ones)
+    if silu:
+        _silu_row(row, ones)
 
 
 @nb.njit(**_PAR)
-def _conv_parallel(x, conv_state, taps, ones, out):
+def _conv_parallel(x, conv_state, taps, ones, out, silu):
     for t in nb.prange(x.shape[0]):
-        _conv_row(x, conv_state, taps, t, ones, out)
+        _conv_row(x, conv_state, taps, t, ones, out, silu)
 
 
 @nb.njit(**_SER)
-def conv_silu(x, conv_states, weights, row_seq):
+def causal_conv(x, conv_states, weights, row_seq, silu):
     """The causal convolution of each channel over its last Kc inputs (ggml_ssm_conv: a float
-    sum from 0, product by product, fused or not as compiled: CONV_VECTORS), then SiLU
+    sum from 0, product by product, fused or not as compiled: CONV_VECTORS), then, if silu, SiLU
     (ggml_silu, row by row); each sequence's state takes its last Kc - 1 inputs. x (T, C) ->
     (T, C); conv_states (n_seq, Kc - 1, C) in place, oldest first; weights (C*Kc,), the (C, Kc)
     tensor's values; row_seq (T,) each row's sequence, a sequence's rows in order."""
@@ -117,23 +119,32 @@ def conv_silu(x, conv_states, weights, row_seq):
     if conv_states.shape[0] > 1:  # rows of several sequences (the scheduler's): one at a time
         for t in range(T):
             state = conv_states[row_seq[t]]
-            _conv_row(x[t:t + 1], state, taps, 0, ones, out[t:t + 1])
+            _conv_row(x[t:t + 1], state, taps, 0, ones, out[t:t + 1], silu)
             for i in range(Kc - 2):
                 state[i] = state[i + 1]
             state[Kc - 2] = x[t]
         return out
     conv_state = conv_states[0]
     if T >= PARALLEL_MIN_ROWS:
-        _conv_parallel(x, conv_state, taps, ones, out)
+        _conv_parallel(x, conv_state, taps, ones, out, silu)
     else:  # a few rows: a fork/join would cost more than the work
         for t in range(T):
-            _conv_row(x, conv_state, taps, t, ones, out)
+            _conv_row(x, conv_state, taps, t, ones, out, silu)
     if T >= Kc - 1:
         conv_state[:] = x[T - (Kc - 1):]
     else:  # the state's newest inputs, then the batch's
         conv_state[:Kc - 1 - T] = conv_state[T:].copy()
         conv_state[Kc - 1 - T:] = x
     return out
+
+
+@nb.njit(**_SER)
+def short_conv(bcx, conv_states, weights, row_seq):
+    """LFM2's gated short convolution: bcx (T, 3E), the in-projection's b | c | x, ->
+    c * conv(b * x) (T, E), the convolution without SiLU (conv_states (n_seq, Kc - 1, E))."""
+    E = bcx.shape[1] // 3
+    bx = bcx[:, :E] * bcx[:, 2 * E:]
+    return bcx[:, E:2 * E] * causal_conv(bx, conv_states, weights, row_seq, False)
 
 
 @nb.njit(inline="always", cache=True, nogil=True)

@@ -139,6 +139,7 @@ class Transformer:
     array_tensors: tuple = ()
     # what this architecture does not run yet: feature -> what it is (Backend.check_supports)
     unsupported: dict = {}
+    output_norm = "output_norm.weight"  # the final norm's tensor
 
     def __init__(self, gguf: GGUFFile):
         self.gguf = gguf
@@ -153,7 +154,7 @@ class Transformer:
         m = self.meta
         n_embd = m.int("embedding_length", 1, MAX_WIDTH)
         n_head = m.int("attention.head_count", 1, MAX_HEADS)
-        n_head_kv = m.int("attention.head_count_kv", 1, n_head, default=n_head)
+        n_head_kv = self.read_head_count_kv(n_head)
         if n_head % n_head_kv:
             raise ModelError(f"head count {n_head} is not a multiple of the key/value head count {n_head_kv}")
         head_dim = m.int("attention.key_length", 1, MAX_WIDTH, default=n_embd // n_head)
@@ -175,6 +176,10 @@ class Transformer:
             rope_base=m.float("rope.freq_base", 1e-3, 1e12, default=10000.0),
             rope_dims=m.int("rope.dimension_count", 2, head_dim, default=head_dim),
         )
+
+    def read_head_count_kv(self, n_head: int) -> int:
+        """attention.head_count_kv: one value for every layer."""
+        return self.meta.int("attention.head_count_kv", 1, n_head, default=n_head)
 
     def check_keys(self) -> None:
         """Refuse a key of the architecture's namespace that this module does not compute."""
@@ -245,7 +250,7 @@ class Transformer:
     def global_tensors(self) -> dict[str, tuple[int, ...]]:
         """Tensors outside the layers that the file may have -> shape."""
         hp = self.hp
-        shapes = {"token_embd.weight": (hp.n_embd, hp.n_vocab), "output_norm.weight": (hp.n_embd,),
+        shapes = {"token_embd.weight": (hp.n_embd, hp.n_vocab), self.output_norm: (hp.n_embd,),
                   "output.weight": (hp.n_embd, hp.n_vocab)}
         shapes.update({name: (hp.rope_dims // 2,) for name in self.rope_factor_tensors})
         return shapes
@@ -254,7 +259,7 @@ class Transformer:
         """Every tensor the module needs is there with its shape; every tensor there is one it
         computes with (an unknown one would change the arithmetic: refused)."""
         hp = self.hp
-        required = {"token_embd.weight", "output_norm.weight"}
+        required = {"token_embd.weight", self.output_norm}
         expected = self.global_tensors()
         for il in range(hp.n_layer):
             for suffix, shape in self.layer_tensors(il).items():

@@ -41,7 +41,7 @@ def hybrid_layer_ops(x, w, positions, kv, out_from, rope_table, eps, n_head, n_h
         qkv, z = ops.linear2(m0, m1, h)
         beta, g = ops.linear2(m2, m3, h)
         ops.decay_and_beta(g, beta, v0, v1)
-        mixed = ops.conv_silu(qkv, conv_states, conv_w, row_seq)
+        mixed = ops.causal_conv(qkv, conv_states, conv_w, row_seq, True)
         key_dim = n_k_heads * state_size
         ops.l2_heads(mixed, 0, n_k_heads, state_size, eps)
         ops.l2_heads(mixed, key_dim, n_k_heads, state_size, eps)

@@ -59,7 +59,7 @@ class Backend:
     def load_weights(self, progress=None) -> None:
         """Every tensor once, in the architecture's layer order (arch.layer_sources)."""
         arch = self.arch
-        self.output_norm = self.vector("output_norm.weight")                                 # (E,)
+        self.output_norm = self.vector(arch.output_norm)                                      # (E,)
         self.output_name = "output.weight" if "output.weight" in arch.gguf.tensors else "token_embd.weight"
         self.output = self.matrix(self.output_name)                                          # (V, E)
         self.layers = []  # per layer: a tuple in layer_order (vectors and matrices in this backend's form)

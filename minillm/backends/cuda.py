@@ -19,7 +19,7 @@ import numpy as np
 from numba import cuda
 from numba.cuda.cudadrv.driver import device_memset
 
-from ..errors import MinillmError, ModelError
+from ..errors import MinillmError, ModelError, UnsupportedError
 from ..kernels.cpu.matmul import KIND_IDS
 from ..kernels.cpu.unpack import dequantize
 from ..kernels.cuda import layers as cuda_layers
@@ -207,6 +207,9 @@ class CudaBackend(Backend):
     _lock = threading.Lock()  # the ops' buffer pool serves one forward pass at a time
 
     def __init__(self, arch, cache_types: tuple[str, str] = F16_CACHE, progress=None):
+        if arch.recurrent_shapes() is not None:
+            raise UnsupportedError(f"{arch.name} models (recurrent layers beside attention) run on the CPU only "
+                                   f"yet: use device 'cpu'")
         if arch.hp.head_dim > MAX_HEAD_DIM:
             raise ModelError(f"heads of {arch.hp.head_dim} values are larger than the CUDA attention "
                              f"takes ({MAX_HEAD_DIM})")

