@@ -63,12 +63,17 @@ ARCH_EXTRAS = {
     "gemma3": ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"),
     "qwen35": (),  # its own layers (SyntheticModel.add_qwen35_layer)
     "lfm2": (),    # its own layers (SyntheticModel.add_lfm2_layer)
+    "granitehybrid": (),  # its own layers (SyntheticModel.add_mamba2_layer)
 }
 # Qwen3.5's gated delta net in the small models: Hk key heads and Hv value heads of S values,
 # a convolution of Kc, attention every INTERVAL-th layer
 QWEN35_SSM = dict(S=64, Hk=2, Hv=4, Kc=4, interval=4)
-# LFM2's: a short convolution of LFM2_CONV, attention on the layers il % 3 == 2
+# Granite 4.0-H's Mamba2: Hs heads (of 2E/Hs values), G groups of N states, a convolution of Kc
+MAMBA2_SSM = dict(N=64, G=2, Hs=8, Kc=4)
+# LFM2's: a short convolution of LFM2_CONV; LFM2's and Granite 4.0-H's attention on the layers
+# il % 3 == 2
 LFM2_CONV = 3
+HEAD_COUNT_KV_PER_LAYER = ("lfm2", "granitehybrid")
 
 
 def lfm2_is_attention(il: int) -> bool:
@@ -92,7 +97,7 @@ class SyntheticModel:
         self.head_dim, self.n_ff, self.n_vocab, self.window = head_dim, n_ff, n_vocab, window
         self.formats, self.keys = formats or {}, keys or {}
         self.rope_dims, self.extra_tensors, self.vocab = rope_dims, extra_tensors or {}, vocab
-        self.ssm = dict(QWEN35_SSM, **(ssm or {}))
+        self.ssm = dict(MAMBA2_SSM if arch == "granitehybrid" else QWEN35_SSM, **(ssm or {}))
         self.rng = np.random.default_rng(seed)
         self.tensors: dict[str, tuple[np.ndarray, str, tuple]] = {}
         self.values: dict[str, np.ndarray] = {}
@@ -135,6 +140,9 @@ class SyntheticModel:
                 continue
             if self.arch == "lfm2":
                 self.add_lfm2_layer(il)
+                continue
+            if self.arch == "granitehybrid":
+                self.add_mamba2_layer(il)
                 continue
             self.add_norm(p + "attn_norm.weight", E)
             if FUSED_QKV in extras:
@@ -212,6 +220,35 @@ class SyntheticModel:
         self.add(p + "ffn_up.weight", F, E)
         self.add(p + "ffn_down.weight", E, F)
 
+    def add_mamba2_layer(self, il: int) -> None:
+        """A Mamba2 layer, or attention (no biases); SwiGLU FFN."""
+        E, F, D, p = self.n_embd, self.n_ff, self.head_dim, f"blk.{il}."
+        N, G, Hs, Kc = self.ssm["N"], self.ssm["G"], self.ssm["Hs"], self.ssm["Kc"]
+        d_inner = 2 * E
+        self.add_norm(p + "attn_norm.weight", E)
+        if lfm2_is_attention(il):
+            self.add(p + "attn_q.weight", self.n_head * D, E)
+            self.add(p + "attn_k.weight", self.n_head_kv * D, E)
+            self.add(p + "attn_v.weight", self.n_head_kv * D, E)
+            self.add(p + "attn_output.weight", E, self.n_head * D)
+        else:
+            channels = d_inner + 2 * G * N
+            self.add(p + "ssm_in.weight", 2 * d_inner + 2 * G * N + Hs, E)
+            self.add(p + "ssm_out.weight", E, d_inner)
+            for name, shape, values in (
+                    ("ssm_conv1d.weight", (channels, Kc), 0.3 * self.rng.standard_normal((channels, Kc))),
+                    ("ssm_a", (Hs, 1), -(0.5 + 1.5 * self.rng.random((Hs, 1)))),
+                    ("ssm_d", (Hs, 1), 1.0 + 0.1 * self.rng.standard_normal((Hs, 1))),
+                    ("ssm_norm.weight", (G, d_inner // G), 1.0 + 0.1 * self.rng.standard_normal((G, d_inner // G)))):
+                values = values.astype(np.float32)
+                self.tensors[p + name], self.values[p + name] = (values, "F32", shape), values
+            self.add_bias(p + "ssm_conv1d.bias", channels)
+            self.add_bias(p + "ssm_dt.bias", Hs)
+        self.add_norm(p + "ffn_norm.weight", E)
+        self.add(p + "ffn_gate.weight", F, E)
+        self.add(p + "ffn_up.weight", F, E)
+        self.add(p + "ffn_down.weight", E, F)
+
     def write(self, path: Path) -> Path:
         w = gguf.GGUFWriter(str(path), self.arch)
         a = self.arch
@@ -220,13 +257,20 @@ class SyntheticModel:
         w.add_uint32(f"{a}.embedding_length", self.n_embd)
         w.add_uint32(f"{a}.feed_forward_length", self.n_ff)
         w.add_uint32(f"{a}.attention.head_count", self.n_head)
-        if a == "lfm2":  # a count per layer: 0 on the short-convolution layers (keys: another value, None)
+        if a in HEAD_COUNT_KV_PER_LAYER:  # a count per layer: 0 on the recurrent layers (keys: another value, None)
             defaults = {"attention.head_count_kv": [self.n_head_kv if lfm2_is_attention(il) else 0
-                                                    for il in range(self.n_layer)],
-                        "shortconv.l_cache": LFM2_CONV}
+                                                    for il in range(self.n_layer)]}
+            if a == "lfm2":
+                defaults["shortconv.l_cache"] = LFM2_CONV
+            else:
+                ssm = self.ssm
+                defaults.update({"ssm.conv_kernel": ssm["Kc"], "ssm.state_size": ssm["N"], "ssm.group_count": ssm["G"],
+                                 "ssm.inner_size": 2 * self.n_embd, "ssm.time_step_rank": ssm["Hs"],
+                                 "rope.scaling.finetuned": False})
             for key, value in defaults.items():
                 if key not in self.keys:
-                    (w.add_array if isinstance(value, list) else w.add_uint32)(f"{a}.{key}", value)
+                    add = w.add_array if isinstance(value, list) else w.add_bool if isinstance(value, bool) else w.add_uint32
+                    add(f"{a}.{key}", value)
         else:
             w.add_uint32(f"{a}.attention.head_count_kv", self.n_head_kv)
         w.add_uint32(f"{a}.attention.key_length", self.head_dim)

@@ -65,6 +65,15 @@ CASES = {
     # the attention layer with a sliding window of 8 (LFM2's sliding_window key), Q4_0 repacked
     "lfm2-swa": dict(arch="lfm2", fmt="Q4_0", n_layer=4, keys={"attention.sliding_window": 8},
                      formats={"shortconv.in_proj": "Q8_0"}),
+    # Granite 4.0-H: Mamba2 (two groups of 64 states: ggml's SIMD scan), attention without RoPE;
+    # ssm_out in F16 (its input not quantized: the scan's last bits reach the logits)
+    "granitehybrid": dict(arch="granitehybrid", fmt="Q8_0", n_layer=4,
+                          formats={"ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ssm_out": "F16"},
+                          keys={"logit_scale": 0.5, "residual_scale": 0.5, "embedding_scale": 2.0,
+                                "attention.scale": 0.0078125}),
+    # Bamba's shape: one group of 16 states (ggml's scalar scan), RoPE, a state of 16 per head
+    "granitehybrid-rope": dict(arch="granitehybrid", fmt="Q5_K", n_layer=3, ssm=dict(N=16, G=1, Hs=4),
+                               keys={"rope.scaling.finetuned": True}, formats={"ssm_out": "F32"}),
     "granite": dict(arch="granite", fmt="Q4_1",
                     keys={"logit_scale": 8.0, "residual_scale": 0.22, "embedding_scale": 12.0,
                           "attention.scale": 0.0078125}),

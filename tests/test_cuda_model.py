@@ -750,10 +750,11 @@ def test_scheduler_decode_steps_replay_their_recording_and_allocate_nothing(mode
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("arch", ["qwen35", "lfm2"])
+@pytest.mark.parametrize("arch", ["qwen35", "lfm2", "granitehybrid"])
 def test_a_model_with_recurrent_layers_is_refused_by_name(tmp_path, arch):
     """Their recurrent layers' kernels are the CPU's only: one clear error, before any upload."""
-    extra = dict(rope_dims=8, keys={"rope.dimension_sections": [2, 1, 1, 0]}) if arch == "qwen35" else {}
+    extra = {"qwen35": dict(rope_dims=8, keys={"rope.dimension_sections": [2, 1, 1, 0]}),
+             "granitehybrid": dict(ssm=dict(N=16, G=1, Hs=4))}.get(arch, {})
     path = SyntheticModel(arch, "Q8_0", n_layer=4, n_embd=64, head_dim=16, n_ff=64, n_vocab=40,
                           **extra).build().write(tmp_path / f"{arch}.gguf")
     with pytest.raises(minillm.MinillmError, match=f"{arch} models .* run on the CPU only"):

@@ -1,7 +1,7 @@
-"""Models with recurrent layers (Qwen3.5's gated delta nets, LFM2's short convolutions, beside
-attention): the state each sequence carries, wherever a KV cache is used, and what is refused
+"""Models with recurrent layers (Qwen3.5's gated delta nets, LFM2's short convolutions, Granite
+4.0-H's Mamba2, beside attention): the state each sequence carries, wherever a KV cache is used, and what is refused
 while the state cannot do it. The logits themselves are checked against llama.cpp in
-test_architectures.py ("qwen35", "lfm2", ...)."""
+test_architectures.py ("qwen35", "lfm2", "granitehybrid", ...)."""
 import json
 import subprocess
 import sys
@@ -21,7 +21,7 @@ from minillm.speculative import make_speculation
 from synthetic import SyntheticModel
 
 GREEDY = SamplingParams(temperature=0)
-HYBRIDS = ["qwen35", "lfm2"]  # the small model of each architecture with recurrent layers (arch_cases)
+HYBRIDS = ["qwen35", "lfm2", "granitehybrid"]  # the small model of each architecture with recurrent layers (arch_cases)
 
 
 def hybrid_path(tmp_path_factory, name):
@@ -276,6 +276,26 @@ def test_a_bad_file_gets_one_error_naming_the_key_or_tensor(tmp_path, keys, drop
 def test_a_bad_lfm2_file_gets_one_error_naming_the_key_or_tensor(tmp_path, keys, drop, named):
     m = SyntheticModel(arch="lfm2", fmt="Q8_0", n_layer=4, n_embd=64, head_dim=16, n_ff=64, n_vocab=40,
                        keys=keys).build()
+    if drop:
+        del m.tensors[drop]
+    path = m.write(tmp_path / "bad.gguf")
+    with pytest.raises(minillm.MinillmError) as e:
+        minillm.load(path)
+    assert named in str(e.value)
+
+
+@pytest.mark.parametrize("keys,drop,named", [
+    ({"ssm.inner_size": 384}, None, "granitehybrid.ssm.inner_size"),
+    ({"ssm.time_step_rank": 3}, None, "granitehybrid.ssm.time_step_rank"),
+    ({"ssm.state_size": None}, None, "granitehybrid.ssm.state_size"),
+    ({"attention.head_count_kv": None}, None, "granitehybrid.attention.head_count_kv"),
+    ({}, "blk.0.ssm_d", "blk.0.ssm_d"),
+    ({}, "blk.1.ssm_conv1d.bias", "blk.1.ssm_conv1d.bias"),
+    ({}, "blk.3.ssm_norm.weight", "blk.3.ssm_norm.weight"),
+])
+def test_a_bad_granitehybrid_file_gets_one_error_naming_the_key_or_tensor(tmp_path, keys, drop, named):
+    m = SyntheticModel(arch="granitehybrid", fmt="Q8_0", n_layer=4, n_embd=64, head_dim=16, n_ff=64, n_vocab=40,
+                       ssm=dict(N=16, G=1, Hs=4), keys=keys).build()
     if drop:
         del m.tensors[drop]
     path = m.write(tmp_path / "bad.gguf")

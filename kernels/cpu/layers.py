@@ -25,6 +25,7 @@ from .float_matmul import FLOAT_BF16, FLOAT_F16, FLOAT_F32, PARALLEL_MIN
 from .float_products import call_product, call_rows3
 from .delta_net import (causal_conv, decay_and_beta, gated_delta_net, gated_norm, l2_heads, short_conv,  # noqa: F401
                         sigmoid_gated)
+from .mamba2 import mamba2  # noqa: F401
 from .matmul import KIND_Q8_1, PRODUCT_LANES, PRODUCT_LANES_BLOCKS, R, quantize_act
 from .quant_products import call_lanes3, call_qproduct
 

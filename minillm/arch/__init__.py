@@ -8,6 +8,7 @@ from ..errors import ModelError
 from .gemma2 import Gemma2
 from .gemma3 import Gemma3
 from .granite import Granite
+from .granitehybrid import GraniteHybrid
 from .lfm2 import Lfm2
 from .llama import Llama
 from .phi3 import Phi3
@@ -15,7 +16,7 @@ from .qwen2 import Qwen2
 from .qwen3 import Qwen3
 from .qwen35 import Qwen35
 
-ARCHITECTURES = {cls.name: cls for cls in (Llama, Qwen2, Qwen3, Qwen35, Lfm2, Phi3, Granite, Gemma2, Gemma3)}
+ARCHITECTURES = {cls.name: cls for cls in (Llama, Qwen2, Qwen3, Qwen35, Lfm2, Phi3, Granite, GraniteHybrid, Gemma2, Gemma3)}
 
 
 def get_architecture(name: str | None):

@@ -58,11 +58,21 @@ MODELS = {
                                 layer_types=["conv", "conv", "full_attention", "conv"], tie_word_embeddings=True,
                                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
              ["Q8_0", "Q4_K_M", "Q5_K_M"]),
+    # Granite 4.0-H (dense): Mamba2 layers, attention without RoPE on the third; the FFN is the
+    # shared MLP (no experts); two SSM groups
+    "granitehybrid": ("GraniteMoeHybridConfig", dict(
+        num_hidden_layers=4, layer_types=["mamba", "mamba", "attention", "mamba"], num_local_experts=0, num_experts_per_tok=0,
+        shared_intermediate_size=512, position_embedding_type="nope", mamba_n_heads=8, mamba_n_groups=2,
+        mamba_d_state=64, mamba_d_conv=4, mamba_expand=2, embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=0.0078125, logits_scaling=8.0, tie_word_embeddings=True), ["Q8_0", "Q4_K_M"]),
     "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
                                       logits_scaling=8.0, tie_word_embeddings=True), ["Q8_0", "Q5_K_M"]),
 }
 # the converter's own options: transformers' Qwen3.5 has no MTP head to export
 CONVERT_ARGS = {"qwen35": ["--no-mtp"]}
+# config.json as the published models have it: transformers 5 writes Granite's layer types under
+# its own names, which llama.cpp's converter does not read
+LAYER_TYPE_NAMES = {"granitehybrid": {"linear_attention": "mamba", "full_attention": "attention"}}
 N_PROMPT, N_DECODE = 70, 10
 
 
@@ -113,6 +123,10 @@ def make(llama_dir: Path, work: Path, archs: list[str]) -> None:
                     p.normal_(0.0 if "gemma" in arch or "bias" in name else 1.0, 0.1)
         hf_dir = work / arch / "hf"
         model.save_pretrained(hf_dir)
+        if arch in LAYER_TYPE_NAMES:
+            saved = json.loads((hf_dir / "config.json").read_text())
+            saved["layer_types"] = [LAYER_TYPE_NAMES[arch].get(t, t) for t in saved["layer_types"]]
+            (hf_dir / "config.json").write_text(json.dumps(saved, indent=1))
         # Gemma 3's converter cuts the embedding to the vocabulary it counts in tokenizer.json
         vocab = {"model": {"vocab": {f"t{i}": i for i in range(DIMS["vocab_size"])}}, "added_tokens": []}
         (hf_dir / "tokenizer.json").write_text(json.dumps(vocab))

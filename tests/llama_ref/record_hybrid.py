@@ -1,5 +1,5 @@
 """Record what llama.cpp's tools give on the small models with recurrent layers (tests/arch_cases.py
-"qwen35", "lfm2") into tests/data/hybrid_reference.json, a section each (run from the repository
+"qwen35", "lfm2", "granitehybrid") into tests/data/hybrid_reference.json, a section each (run from the repository
 root, after build.sh and build.sh --avx2):
 
     python tests/llama_ref/record_hybrid.py /tmp/llama_ref
@@ -26,7 +26,7 @@ TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TESTS))
 import arch_cases  # noqa: E402
 
-CASES = ("qwen35", "lfm2")
+CASES = ("qwen35", "lfm2", "granitehybrid")
 PPL_CTX, PPL_CHUNKS = 128, 12
 PPL_ARGS = ["-c", str(PPL_CTX), "-b", "512", "--chunks", str(PPL_CHUNKS), "-t", "2"]
 QUANT_TYPE = "Q4_K_M"
@@ -50,9 +50,13 @@ def record_case(src: Path, case: str, tmp: Path) -> dict:
     text = tmp / "text.txt"
     text.write_text(hybrid_text())
     for build, folder in (("avx512", "build"), ("avx2", "build-avx2")):
-        out = subprocess.run([str(src / folder / "bin" / "llama-perplexity"), "-m", str(model), "-f", str(text),
-                              *PPL_ARGS], capture_output=True, text=True, check=True)
-        record["ppl"][build] = float(re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)[1])
+        for _ in range(3):  # llama.cpp's log thread now and then writes a line in pieces: run again
+            out = subprocess.run([str(src / folder / "bin" / "llama-perplexity"), "-m", str(model), "-f", str(text),
+                                  *PPL_ARGS], capture_output=True, text=True, check=True)
+            found = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+            if found:
+                break
+        record["ppl"][build] = float(found[1])
     quantized = tmp / "q.gguf"
     subprocess.run([str(src / "build" / "bin" / "llama-quantize"), "--allow-requantize", str(model), str(quantized),
                     QUANT_TYPE], capture_output=True, check=True)
