@@ -60,6 +60,18 @@ class RecurrentState:
         """Drop the snapshot after n_past tokens, if there is one."""
         self.snapshots.pop(n_past, None)
 
+    def copy_seq(self, seq: int) -> tuple:
+        """Sequence seq's state as it is now: (conv, ssm) copies, per layer."""
+        return ({il: a[seq].copy() for il, a in self.conv.items()}, {il: a[seq].copy() for il, a in self.ssm.items()})
+
+    def put_seq(self, seq: int, saved: tuple) -> None:
+        """Put back a state copy_seq took of sequence seq."""
+        conv, ssm = saved
+        for il, a in conv.items():
+            self.conv[il][seq] = a
+        for il, a in ssm.items():
+            self.ssm[il][seq] = a
+
     def clear(self, seq: int | None = None) -> None:
         """Zero every sequence's state (and forget the snapshots), or sequence seq's."""
         for a in (*self.conv.values(), *self.ssm.values()):

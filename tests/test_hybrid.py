@@ -143,14 +143,33 @@ def test_speculative_decoding_takes_back_the_state_of_rejected_guesses(model, gu
     assert greedy(session, again, 4) == alone(model, again, 4) and session.n_evaluated == 5
 
 
-@pytest.mark.parametrize("feature", ["scheduler lookup", "imatrix"])
-def test_what_the_state_cannot_do_yet_is_refused_by_name(model, feature):
+def test_scheduler_speculation_takes_back_the_state_of_rejected_guesses(model, monkeypatch):
+    """Guesses in the batching scheduler, three sequences at once: a pass whose last guess is
+    rejected leaves each slot's state as its kept tokens alone give it (the state before the
+    pass, the kept rows evaluated again), so every request gets plain decoding's tokens."""
+    from minillm.speculative import Speculation, SpeculationParams
+    from test_speculative import FixedGuesses
+
+    prompts = [ids(30, seed=20 + i) for i in range(3)]
+    plain = [alone_in_scheduler(model, Request(p, 12, GREEDY, ignore_eos=True)).tokens for p in prompts]
+    monkeypatch.setattr(Speculation, "n_to_guess", lambda self, cls=0: self.params.draft_max)
+    monkeypatch.setattr(Speculation, "expects_to_guess", lambda self: True)
+    # after i generated tokens: the next two right, then a wrong one
+    tables = iter([{len(p) + i: [pl[i], pl[i + 1], pl[i + 2] % 299 + 1] for i in (1, 5)} for p, pl in zip(prompts, plain)])
+    scheduler = model.scheduler(parallel=3, n_ctx=256, batch=64)
+    monkeypatch.setattr(scheduler, "speculation_for",
+                        lambda request: Speculation(FixedGuesses(next(tables)), SpeculationParams()))
+    handles = [scheduler.submit(Request(p, 12, GREEDY, ignore_eos=True, lookup=True)) for p in prompts]
+    results = [h.result() for h in handles]
+    assert [r.tokens for r in results] == plain
+    assert [(r.timings.n_drafted, r.timings.n_accepted) for r in results] == [(6, 4)] * 3
+
+
+def test_what_the_state_cannot_do_yet_is_refused_by_name(model):
     from minillm.quality.imatrix import compute_imatrix
 
-    run = {"scheduler lookup": lambda: model.scheduler().submit(Request(ids(10), 4, GREEDY, lookup=True)),
-           "imatrix": lambda: compute_imatrix(model, "some text " * 200, "t.txt", n_ctx=64)}[feature]
     with pytest.raises(minillm.MinillmError, match=f"does not run {model.arch.name} models yet"):
-        run()
+        compute_imatrix(model, "some text " * 200, "t.txt", n_ctx=64)
 
 
 def test_beams_copy_the_state(model):

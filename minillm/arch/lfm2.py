@@ -61,8 +61,7 @@ class Lfm2(Transformer):
     layer_order = ("attn_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
                    "m0", "m1", "m2", "m3", "v0", "v1", "shortconv.conv")
     handled_keys = frozenset({"shortconv.l_cache", "attention.sliding_window"})
-    unsupported = {"batched speculation": "speculative decoding in the batching scheduler",
-                   "imatrix": "an importance matrix"}
+    unsupported = {"imatrix": "an importance matrix"}
 
     def read_head_count_kv(self, n_head: int) -> int:
         """attention.head_count_kv: a count per layer, 0 on the short-convolution layers (or one

@@ -81,8 +81,7 @@ class Qwen35(Transformer):
         "full_attention_interval", "attention.recurrent_layers", "rope.dimension_sections",
         "nextn_predict_layers", "attention.scale"})
     # what the recurrent layers' state does not do yet: feature -> what it is (Backend.check_supports)
-    unsupported = {"batched speculation": "speculative decoding in the batching scheduler",
-                   "imatrix": "an importance matrix"}
+    unsupported = {"imatrix": "an importance matrix"}
 
     def read_hparams(self) -> HParams:
         m = self.meta

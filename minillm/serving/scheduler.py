@@ -188,6 +188,7 @@ class _Job:
         if self.speculation is not None:
             self.speculation.start(prompt_ids)
         self.guesses: list[int] = []  # the tokens guessed after its decode row this step
+        self.state_before = None      # recurrent pools: (slot, start, its state, rows) before a pass of guesses
         self.handle = Handle(scheduler, self)
 
     @property
@@ -299,7 +300,6 @@ class Scheduler:
             raise MinillmError("choose a draft model or prompt lookup, not both")
         if request.draft or request.lookup:
             self.model.backend.check_supports("speculation")
-            self.model.backend.check_supports("batched speculation")  # (its pool takes back no state)
         job = _Job(self, request, ids, next(self._arrivals))
         if request.max_tokens == 0:
             job.finish("length", time.perf_counter())
@@ -545,6 +545,8 @@ class Scheduler:
             start = len(slot.tokens)
             tokens = job.tokens + job.guesses  # a decode row's guesses: rows after it
             rows = [(slot.index, start + i, tokens[start + i]) for i in range(n)]
+            if job.guesses and self.pool.recurrent is not None:  # rejected guesses are taken back from it
+                job.state_before = (slot, start, self.pool.recurrent.copy_seq(slot.index), n)
             if job.guesses:  # every row's logits: each checks the guess after it
                 last.extend(rows)
                 outputs.append(job)
@@ -589,6 +591,27 @@ class Scheduler:
             if job.speculation is not None and job.timings.n_generated:  # not its prompt's step
                 self._time_pass(job.speculation, len(rows), step_s, len(outputs))
             self._sample_rows(job, rows, guesses)
+        for job in outputs:
+            self._take_back_rejected(job)
+
+    def _take_back_rejected(self, job: _Job) -> None:
+        """A recurrent state that ran a pass's rejected guesses goes back to its state before
+        the pass, and the rows its slot kept are evaluated again (each as alone, as in the
+        pass): the state of the slot's tokens, with no trace of the guesses."""
+        before, job.state_before = job.state_before, None
+        if before is None:
+            return
+        slot, start, state, n_rows = before
+        kept = len(slot.tokens) - start
+        if kept == n_rows:
+            return
+        self.pool.recurrent.put_seq(slot.index, state)
+        if kept > 0:
+            positions = np.arange(start, start + kept, dtype=np.int64)
+            ids = np.array(slot.tokens[start:start + kept], np.int64)
+            kv_of = self.pool.batch_kv(np.full(kept, slot.index, np.int64), positions)
+            self.model.backend.forward_rows(ids, positions, kv_of, kept - 1, self.pool.n_ctx)
+            self.n_evaluated += kept
 
     @staticmethod
     def _time_pass(spec, n_rows: int, step_s: float, n_streams: int) -> None:
