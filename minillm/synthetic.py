@@ -55,6 +55,7 @@ def float_tensor(fmt: str, rows: int, cols: int, rng, scale: float = 0.1) -> np.
 FUSED_QKV, FUSED_UP = "fused_qkv", "fused_up"
 ARCH_EXTRAS = {
     "llama": (),
+    "smollm3": (),
     "granite": (),
     "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
     "qwen3": ("attn_q_norm", "attn_k_norm"),

@@ -74,6 +74,8 @@ CASES = {
     # Bamba's shape: one group of 16 states (ggml's scalar scan), RoPE, a state of 16 per head
     "granitehybrid-rope": dict(arch="granitehybrid", fmt="Q5_K", n_layer=3, ssm=dict(N=16, G=1, Hs=4),
                                keys={"rope.scaling.finetuned": True}, formats={"ssm_out": "F32"}),
+    # layer 3 without RoPE; Q4_K_M's mix
+    "smollm3": dict(arch="smollm3", fmt="Q4_K", n_layer=4, formats={"attn_v": "Q6_K", "ffn_down": "Q6_K"}),
     "granite": dict(arch="granite", fmt="Q4_1",
                     keys={"logit_scale": 8.0, "residual_scale": 0.22, "embedding_scale": 12.0,
                           "attention.scale": 0.0078125}),

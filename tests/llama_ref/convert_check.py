@@ -65,6 +65,9 @@ MODELS = {
         shared_intermediate_size=512, position_embedding_type="nope", mamba_n_heads=8, mamba_n_groups=2,
         mamba_d_state=64, mamba_d_conv=4, mamba_expand=2, embedding_multiplier=12.0, residual_multiplier=0.22,
         attention_multiplier=0.0078125, logits_scaling=8.0, tie_word_embeddings=True), ["Q8_0", "Q4_K_M"]),
+    # no RoPE on the fourth layer
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, tie_word_embeddings=True, no_rope_layer_interval=4),
+                ["Q8_0", "Q4_K_M"]),
     "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
                                       logits_scaling=8.0, tie_word_embeddings=True), ["Q8_0", "Q5_K_M"]),
 }
