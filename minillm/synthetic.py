@@ -56,6 +56,7 @@ FUSED_QKV, FUSED_UP = "fused_qkv", "fused_up"
 ARCH_EXTRAS = {
     "llama": (),
     "smollm3": (),
+    "mistral3": (),
     "granite": (),
     "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
     "qwen3": ("attn_q_norm", "attn_k_norm"),

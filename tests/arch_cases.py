@@ -76,6 +76,13 @@ CASES = {
                                keys={"rope.scaling.finetuned": True}, formats={"ssm_out": "F32"}),
     # layer 3 without RoPE; Q4_K_M's mix
     "smollm3": dict(arch="smollm3", fmt="Q4_K", n_layer=4, formats={"attn_v": "Q6_K", "ffn_down": "Q6_K"}),
+    # Ministral 3: YaRN from 8 positions with its own betas and log multiplier, the attention
+    # temperature from position 8 on
+    "mistral3": dict(arch="mistral3", fmt="Q8_0", formats={"ffn_gate": "Q4_K", "ffn_up": "Q4_K"},
+                     keys={"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                           "rope.scaling.original_context_length": 8, "rope.scaling.yarn_beta_fast": 16.0,
+                           "rope.scaling.yarn_beta_slow": 2.0, "rope.scaling.yarn_log_multiplier": 0.8,
+                           "attention.temperature_scale": 0.1}),
     "granite": dict(arch="granite", fmt="Q4_1",
                     keys={"logit_scale": 8.0, "residual_scale": 0.22, "embedding_scale": 12.0,
                           "attention.scale": 0.0078125}),

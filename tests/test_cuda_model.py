@@ -757,5 +757,13 @@ def test_a_model_with_recurrent_layers_is_refused_by_name(tmp_path, arch):
              "granitehybrid": dict(ssm=dict(N=16, G=1, Hs=4))}.get(arch, {})
     path = SyntheticModel(arch, "Q8_0", n_layer=4, n_embd=64, head_dim=16, n_ff=64, n_vocab=40,
                           **extra).build().write(tmp_path / f"{arch}.gguf")
-    with pytest.raises(minillm.MinillmError, match=f"{arch} models .* run on the CPU only"):
+    with pytest.raises(minillm.MinillmError, match=f"{arch} models \\(recurrent layers.*\\) run on the CPU only"):
         CudaBackend(get_architecture(arch)(GGUFFile(path)))
+
+
+def test_attention_temperature_by_position_is_refused_by_name(tmp_path):
+    """Mistral 3's per-position q scale is the CPU layer's only: one clear error."""
+    path = SyntheticModel("mistral3", "Q8_0", n_layer=1, n_embd=64, head_dim=16, n_ff=64, n_vocab=40,
+                          keys={"attention.temperature_scale": 0.1}).build().write(tmp_path / "m3.gguf")
+    with pytest.raises(minillm.MinillmError, match="mistral3 models \\(Llama 4's attention temperature\\) run on the CPU"):
+        CudaBackend(get_architecture("mistral3")(GGUFFile(path)))

@@ -322,6 +322,19 @@ def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, s
 
 
 @nb.njit(**_SER)
+def rope_attend_rows(q, k, v, positions, rope_table, kv, q_rows, kq_scale, n_heads, n_kv_heads, head_dim, rope_dims):
+    """rope_attend (normal pairs, no window or cap) with each row of q, after RoPE, times its own
+    scale q_rows (T,) (Llama 4's attention temperature by position; empty: none)."""
+    cos, sin = rope_table
+    ops.rope(q, n_heads, head_dim, rope_dims, cos, sin, False)
+    ops.rope(k, n_kv_heads, head_dim, rope_dims, cos, sin, False)
+    if q_rows.size:
+        for t in range(q.shape[0]):
+            q[t] *= q_rows[t]
+    return attend(q, k, v, positions, kv, 0, kq_scale, np.float32(0.0), n_heads, n_kv_heads, head_dim)
+
+
+@nb.njit(**_SER)
 def first_halves(x, n_heads, head_dim):
     """The first head_dim values of each head of x (T, n_heads*2*head_dim): (T, n_heads*head_dim)."""
     return x.reshape(x.shape[0], n_heads, 2 * head_dim)[:, :, :head_dim].copy().reshape(x.shape[0], n_heads * head_dim)

