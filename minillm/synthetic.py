@@ -57,6 +57,7 @@ ARCH_EXTRAS = {
     "llama": (),
     "smollm3": (),
     "mistral3": (),
+    "qwen3moe": (),  # its own layers (SyntheticModel.add_moe_layer)
     "granite": (),
     "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
     "qwen3": ("attn_q_norm", "attn_k_norm"),
@@ -70,6 +71,8 @@ ARCH_EXTRAS = {
 # Qwen3.5's gated delta net in the small models: Hk key heads and Hv value heads of S values,
 # a convolution of Kc, attention every INTERVAL-th layer
 QWEN35_SSM = dict(S=64, Hk=2, Hv=4, Kc=4, interval=4)
+# a mixture of experts: X experts of F values, K used a token
+MOE = dict(X=8, K=2, F=256)
 # Granite 4.0-H's Mamba2: Hs heads (of 2E/Hs values), G groups of N states, a convolution of Kc
 MAMBA2_SSM = dict(N=64, G=2, Hs=8, Kc=4)
 # LFM2's: a short convolution of LFM2_CONV; LFM2's and Granite 4.0-H's attention on the layers
@@ -93,13 +96,14 @@ class SyntheticModel:
                  n_head: int = 4, n_head_kv: int = 2, head_dim: int = 64, n_ff: int = 512,
                  n_vocab: int = 300, window: int = 8, formats: dict | None = None, keys: dict | None = None,
                  rope_dims: int | None = None, extra_tensors: dict | None = None, vocab: bool = False,
-                 ssm: dict | None = None):
+                 ssm: dict | None = None, moe: dict | None = None):
         self.arch, self.fmt = arch, fmt
         self.n_layer, self.n_embd, self.n_head, self.n_head_kv = n_layer, n_embd, n_head, n_head_kv
         self.head_dim, self.n_ff, self.n_vocab, self.window = head_dim, n_ff, n_vocab, window
         self.formats, self.keys = formats or {}, keys or {}
         self.rope_dims, self.extra_tensors, self.vocab = rope_dims, extra_tensors or {}, vocab
         self.ssm = dict(MAMBA2_SSM if arch == "granitehybrid" else QWEN35_SSM, **(ssm or {}))
+        self.moe = dict(MOE, **(moe or {}))
         self.rng = np.random.default_rng(seed)
         self.tensors: dict[str, tuple[np.ndarray, str, tuple]] = {}
         self.values: dict[str, np.ndarray] = {}
@@ -145,6 +149,9 @@ class SyntheticModel:
                 continue
             if self.arch == "granitehybrid":
                 self.add_mamba2_layer(il)
+                continue
+            if self.arch == "qwen3moe":
+                self.add_moe_layer(il)
                 continue
             self.add_norm(p + "attn_norm.weight", E)
             if FUSED_QKV in extras:
@@ -222,6 +229,30 @@ class SyntheticModel:
         self.add(p + "ffn_up.weight", F, E)
         self.add(p + "ffn_down.weight", E, F)
 
+    def add_experts(self, name: str, n_experts: int, rows: int, cols: int) -> None:
+        """A 3-D tensor of n_experts (rows, cols) matrices (GGUF dims cols, rows, n_experts)."""
+        self.add(name, n_experts * rows, cols)
+        raw, fmt, _ = self.tensors[name]
+        self.tensors[name] = (raw.reshape(n_experts, rows, -1), fmt, (n_experts, rows, cols))
+        self.values[name] = self.values[name].reshape(n_experts, rows, cols)
+
+    def add_moe_layer(self, il: int) -> None:
+        """Qwen3's attention (q/k norms), then a softmax-routed mixture of SwiGLU experts."""
+        E, D, p = self.n_embd, self.head_dim, f"blk.{il}."
+        X, F = self.moe["X"], self.moe["F"]
+        self.add_norm(p + "attn_norm.weight", E)
+        self.add(p + "attn_q.weight", self.n_head * D, E)
+        self.add(p + "attn_k.weight", self.n_head_kv * D, E)
+        self.add(p + "attn_v.weight", self.n_head_kv * D, E)
+        self.add(p + "attn_output.weight", E, self.n_head * D)
+        self.add_norm(p + "attn_q_norm.weight", D)
+        self.add_norm(p + "attn_k_norm.weight", D)
+        self.add_norm(p + "ffn_norm.weight", E)
+        self.add(p + "ffn_gate_inp.weight", X, E, "F32")
+        self.add_experts(p + "ffn_gate_exps.weight", X, F, E)
+        self.add_experts(p + "ffn_up_exps.weight", X, F, E)
+        self.add_experts(p + "ffn_down_exps.weight", X, E, F)
+
     def add_mamba2_layer(self, il: int) -> None:
         """A Mamba2 layer, or attention (no biases); SwiGLU FFN."""
         E, F, D, p = self.n_embd, self.n_ff, self.head_dim, f"blk.{il}."
@@ -283,6 +314,11 @@ class SyntheticModel:
             w.add_uint32(f"{a}.rope.dimension_count", self.rope_dims)
         if a in ("gemma3", "gemma2"):
             w.add_uint32(f"{a}.attention.sliding_window", self.window)
+        if a == "qwen3moe":
+            for key, value in (("expert_count", self.moe["X"]), ("expert_used_count", self.moe["K"]),
+                               ("expert_feed_forward_length", self.moe["F"])):
+                if key not in self.keys:  # keys: another value, or None for none
+                    w.add_uint32(f"{a}.{key}", value)
         if a == "qwen35":
             ssm = self.ssm
             for key, value in (("conv_kernel", ssm["Kc"]), ("state_size", ssm["S"]), ("group_count", ssm["Hk"]),

@@ -28,12 +28,14 @@ LAYER_MODELS = {
     "lfm2": dict(arch="lfm2", fmt="Q4_K", n_layer=4, formats={"ffn_down": "Q6_K"}),  # short convolutions beside attention
     "granitehybrid": dict(arch="granitehybrid", fmt="Q4_K", n_layer=3, formats={"ffn_down": "Q6_K"}),  # Mamba2 beside attention
     "mistral3": dict(arch="mistral3", fmt="Q4_K", keys={"attention.temperature_scale": 0.1}),  # q scaled by position
+    "qwen3moe": dict(arch="qwen3moe", fmt="Q4_K", formats={"ffn_down_exps": "Q6_K"}),  # a mixture of experts
 }
 # task -> the tasks it waits for, in the order they start. On two cores: attention beside the
 # lanes products; the llama layer (with the operations and wrappers every layer shares) beside
 # the K-quant products; then the other layers.
 TASKS = {"attention": (), "lanes products": (), "llama": (), "k-quant products": (), "qwen35": ("llama",),
-         "gemma": ("llama",), "lfm2": ("llama",), "granitehybrid": ("llama",), "mistral3": ("llama",)}
+         "gemma": ("llama",), "lfm2": ("llama",), "granitehybrid": ("llama",), "mistral3": ("llama",),
+         "qwen3moe": ("llama",)}
 
 
 def run_task(name: str) -> None:

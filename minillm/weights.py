@@ -118,6 +118,32 @@ def with_product(packed: layers.Weights, product: int) -> layers.Weights:
     return layers.Weights(*with_products(packed._replace(product=product)))
 
 
+# the repacked products whose batch kernel (gemm) sums otherwise than their gemv
+REPACKED_BATCH_DEPENDENT = (mm.PRODUCT_Q4_K, mm.PRODUCT_K_LANES_8X8)
+
+
+def stack_experts(experts: list) -> tuple:
+    """The plain Weights of each expert of a tensor, stacked (kernels/cpu/moe.py): every array
+    with a leading expert axis (the codes page-aligned), the scalars the first expert's (the
+    same for all). llama.cpp's mul_mat_id multiplies a repacked expert one token at a time (its
+    gemv: row_by_row), the others as a product of the rows routed to the expert (the tiled
+    K-quant kernel from 8 of them on), as our batch kernels do."""
+    first = layers.Weights(*experts[0])
+    fields = list(first)
+    for name in ("data", "scale", "bias", "fweight", "sb"):
+        at = layers.Weights._fields.index(name)
+        parts = [w[at] for w in experts]
+        if name == "data":
+            stacked = lanes.aligned_zeros(len(parts) * parts[0].size).reshape(len(parts), parts[0].size)
+            for e, part in enumerate(parts):
+                stacked[e] = part
+        else:
+            stacked = np.stack(parts)
+        fields[at] = stacked
+    fields[layers.Weights._fields.index("row_by_row")] = first.kind >= 0 and first.product in REPACKED_BATCH_DEPENDENT
+    return tuple(fields)
+
+
 class Matrix:
     """A weight matrix (n_rows outputs, n_cols inputs). `packed` is the Weights named tuple
     the compiled layers take (kernels/cpu/layers.py):

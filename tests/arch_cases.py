@@ -83,6 +83,12 @@ CASES = {
                            "rope.scaling.original_context_length": 8, "rope.scaling.yarn_beta_fast": 16.0,
                            "rope.scaling.yarn_beta_slow": 2.0, "rope.scaling.yarn_log_multiplier": 0.8,
                            "attention.temperature_scale": 0.1}),
+    # 2 of 8 experts a token: Q4_K gate/up (repacked) and Q6_K down, as llama-quantize's Q4_K_M
+    "qwen3moe": dict(arch="qwen3moe", fmt="Q8_0", formats={"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K",
+                                                           "ffn_down_exps": "Q6_K"}),
+    # 4 of 16 experts: the 32-block formats (Q4_0 repacked, Q5_1, Q8_0)
+    "qwen3moe-q4_0": dict(arch="qwen3moe", fmt="Q4_0", moe=dict(X=16, K=4, F=128),
+                          formats={"ffn_up_exps": "Q5_1", "ffn_down_exps": "Q8_0"}),
     "granite": dict(arch="granite", fmt="Q4_1",
                     keys={"logit_scale": 8.0, "residual_scale": 0.22, "embedding_scale": 12.0,
                           "attention.scale": 0.0078125}),

@@ -113,7 +113,7 @@ CONVERTER_LAYOUTS = json.loads((DATA / "converter_layouts.json").read_text())
 # the small model shaped as tests/llama_ref/convert_check.py's configuration of each architecture
 CONVERTED_AS = {"llama": "llama-rope-freqs", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
                 "granite": "granite", "qwen35": "qwen35", "lfm2": "lfm2", "granitehybrid": "granitehybrid",
-                "smollm3": "smollm3", "mistral3": "mistral3"}
+                "smollm3": "smollm3", "mistral3": "mistral3", "qwen3moe": "qwen3moe"}
 
 
 @pytest.mark.parametrize("arch", sorted(CONVERTED_AS))

@@ -750,20 +750,17 @@ def test_scheduler_decode_steps_replay_their_recording_and_allocate_nothing(mode
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("arch", ["qwen35", "lfm2", "granitehybrid"])
-def test_a_model_with_recurrent_layers_is_refused_by_name(tmp_path, arch):
-    """Their recurrent layers' kernels are the CPU's only: one clear error, before any upload."""
-    extra = {"qwen35": dict(rope_dims=8, keys={"rope.dimension_sections": [2, 1, 1, 0]}),
-             "granitehybrid": dict(ssm=dict(N=16, G=1, Hs=4))}.get(arch, {})
-    path = SyntheticModel(arch, "Q8_0", n_layer=4, n_embd=64, head_dim=16, n_ff=64, n_vocab=40,
-                          **extra).build().write(tmp_path / f"{arch}.gguf")
-    with pytest.raises(minillm.MinillmError, match=f"{arch} models \\(recurrent layers.*\\) run on the CPU only"):
+@pytest.mark.parametrize("arch,extra,reason", [
+    ("qwen35", dict(rope_dims=8, keys={"rope.dimension_sections": [2, 1, 1, 0]}), "recurrent layers beside attention"),
+    ("lfm2", {}, "recurrent layers beside attention"),
+    ("granitehybrid", dict(ssm=dict(N=16, G=1, Hs=4)), "recurrent layers beside attention"),
+    ("mistral3", dict(n_layer=1, keys={"attention.temperature_scale": 0.1}), "Llama 4's attention temperature"),
+    ("qwen3moe", dict(n_layer=1, moe=dict(X=4, K=2, F=32)), "a mixture of experts"),
+])
+def test_what_the_cuda_path_does_not_compute_is_refused_by_name(tmp_path, arch, extra, reason):
+    """The CPU's kernels only (recurrent layers, Mistral 3's temperature, experts): one clear
+    error, before any upload."""
+    model = dict(dict(n_layer=4, n_embd=64, head_dim=16, n_ff=64, n_vocab=40), **extra)
+    path = SyntheticModel(arch, "Q8_0", **model).build().write(tmp_path / f"{arch}.gguf")
+    with pytest.raises(minillm.MinillmError, match=f"{arch} models \\({reason}\\) run on the CPU only"):
         CudaBackend(get_architecture(arch)(GGUFFile(path)))
-
-
-def test_attention_temperature_by_position_is_refused_by_name(tmp_path):
-    """Mistral 3's per-position q scale is the CPU layer's only: one clear error."""
-    path = SyntheticModel("mistral3", "Q8_0", n_layer=1, n_embd=64, head_dim=16, n_ff=64, n_vocab=40,
-                          keys={"attention.temperature_scale": 0.1}).build().write(tmp_path / "m3.gguf")
-    with pytest.raises(minillm.MinillmError, match="mistral3 models \\(Llama 4's attention temperature\\) run on the CPU"):
-        CudaBackend(get_architecture("mistral3")(GGUFFile(path)))

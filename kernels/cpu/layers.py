@@ -26,6 +26,7 @@ from .float_products import call_product, call_rows3
 from .delta_net import (causal_conv, decay_and_beta, gated_delta_net, gated_norm, l2_heads, short_conv,  # noqa: F401
                         sigmoid_gated)
 from .mamba2 import mamba2  # noqa: F401
+from . import moe
 from .matmul import KIND_Q8_1, PRODUCT_LANES, PRODUCT_LANES_BLOCKS, R, quantize_act
 from .quant_products import call_lanes3, call_qproduct
 
@@ -319,6 +320,31 @@ def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, s
     if q_scale != 1:
         q *= q_scale
     return attend(q, k, v, positions, kv, window, kq_scale, softcap, n_heads, n_kv_heads, head_dim)
+
+
+@nb.njit(**_SER)
+def moe_ffn(x, router, gate_exps, up_exps, down_exps, n_used, norm_w, w_scale):
+    """build_moe_ffn (softmax router, SwiGLU experts): x (T, E) -> (T, E). The router's
+    probabilities pick each token's n_used experts (kernels/cpu/moe.py); each expert multiplies
+    the tokens routed to it, each token as alone (mul_mat_id's arithmetic), its weights read
+    once for them; the outputs, times their weights, are added in top-k order."""
+    probs = moe.softmax_rows(linear(router, x))
+    chosen, weights = moe.route(probs, n_used, norm_w, w_scale)
+    T, E = x.shape
+    outs = np.zeros((T, n_used, E), np.float32)  # each token's experts' weighted outputs, in top-k order
+    for e in range(probs.shape[1]):
+        pairs = moe.tokens_of(chosen, e)
+        if pairs.shape[0] == 0:
+            continue
+        xe = np.empty((pairs.shape[0], E), np.float32)
+        for i in range(pairs.shape[0]):
+            xe[i] = x[pairs[i, 0]]
+        gate, up = linear(moe.expert(gate_exps, e), xe), linear(moe.expert(up_exps, e), xe)
+        down = linear(moe.expert(down_exps, e), swiglu(gate, up))
+        for i in range(pairs.shape[0]):
+            t, k = pairs[i, 0], pairs[i, 1]
+            outs[t, k] = down[i] * weights[t, k]
+    return moe.add_experts(outs)
 
 
 @nb.njit(**_SER)

@@ -16,9 +16,10 @@ from .phi3 import Phi3
 from .qwen2 import Qwen2
 from .qwen3 import Qwen3
 from .qwen35 import Qwen35
+from .qwen3moe import Qwen3Moe
 from .smollm3 import SmolLM3
 
-ARCHITECTURES = {cls.name: cls for cls in (Llama, Qwen2, Qwen3, Qwen35, Lfm2, Phi3, Granite, GraniteHybrid, Gemma2, Gemma3, SmolLM3, Mistral3)}
+ARCHITECTURES = {cls.name: cls for cls in (Llama, Qwen2, Qwen3, Qwen35, Lfm2, Phi3, Granite, GraniteHybrid, Gemma2, Gemma3, SmolLM3, Mistral3, Qwen3Moe)}
 
 
 def get_architecture(name: str | None):

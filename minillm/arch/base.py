@@ -15,6 +15,13 @@ from ..kernels.cpu import ops
 from ..kernels.cpu.unpack import dequantize
 MAX_LAYERS = 512
 NO_MATRIX = "no matrix"  # a layer_sources entry: a matrix slot this layer leaves empty (zero rows)
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A layer_sources entry: a 3-D tensor of n matrices, one per expert (stacked, kernels/cpu/moe.py)."""
+    name: str
+    n: int
 MAX_WIDTH = 1 << 16
 MAX_HEADS = 1024
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arch.base import NO_MATRIX
+from ..arch.base import NO_MATRIX, Experts
 from ..errors import MinillmError
 
 NO_VECTOR = np.zeros(0, np.float32)  # an optional vector (a bias, a norm) the file lacks
@@ -70,6 +70,8 @@ class Backend:
                     layer.append(NO_VECTOR)
                 elif source is NO_MATRIX:
                     layer.append(self.no_matrix())
+                elif isinstance(source, Experts):
+                    layer.append(self.experts(source.name, source.n))
                 elif len(arch.gguf.tensors[source[0]].shape) == 1:
                     layer.append(self.vector(source[0]))
                 elif source[0].endswith(arch.array_tensors):
@@ -86,6 +88,10 @@ class Backend:
     def matrix(self, name: str, rows: tuple[int, int] | None = None):
         """The tensor's matrix in the form the layers take, or rows [r0, r1) of it."""
         raise NotImplementedError
+
+    def experts(self, name: str, n: int):
+        """A 3-D tensor's n expert matrices, as this backend's layers take them."""
+        raise NotOnThisBackend(f"mixtures of experts do not run on {self.device} yet: use device='cpu'")
 
     def no_matrix(self):
         """An empty matrix slot (NO_MATRIX), of the type the layers take matrices in."""

@@ -9,7 +9,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from ..arch.base import NO_MATRIX
+from ..arch.base import NO_MATRIX, Experts
 from ..kernels.cpu import ops
 from ..kernels.cpu.attention_fns import attention_fn, attention_fn_cached
 from ..kernels.cpu.layers import NO_PAGING, NO_WEIGHTS, KVView, linear, plain
@@ -17,8 +17,9 @@ from ..kv_cache import CACHE_TYPES, KVCache, cache_arrays
 from ..memory import keep_freed_memory, release_compiler_pages
 from ..recurrent_state import RecurrentState
 from ..threads import ThreadGovernor
+from ..errors import UnsupportedError
 from ..weights import (Matrix, ProductsElsewhere, prepare_products, product_kinds, products_ready, row_by_row,
-                       with_products)
+                       stack_experts, with_products)
 from .base import Backend
 
 
@@ -53,9 +54,11 @@ class CpuBackend(Backend):
         output = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
         sources = [(output, None)] + [source for il in range(arch.hp.n_layer) for source in arch.layer_sources(il)
                                       if source is not None and source is not NO_MATRIX]
+        # an expert tensor: matrices of its middle dimension's rows
+        sources = [(s.name, (0, gguf.tensors[s.name].shape[1])) if isinstance(s, Experts) else s for s in sources]
         infos = [(gguf.tensors[name], rows) for name, rows in sources if not name.endswith(arch.array_tensors)]
         return {(info.format, rows[1] - rows[0] if rows else info.shape[1]) for info, rows in infos
-                if len(info.shape) == 2}
+                if len(info.shape) == 2 or rows}
 
     def vector(self, name: str) -> np.ndarray:
         return self.arch.vector(name)
@@ -70,6 +73,15 @@ class CpuBackend(Backend):
                         addresses=self._products_elsewhere is None)
         gguf.release_pages(name)
         return plain(matrix.packed)
+
+    def experts(self, name: str, n: int) -> tuple:
+        """The n expert matrices of a 3-D tensor (K, F, n), stacked (weights.stack_experts)."""
+        info = self.arch.gguf.tensors[name]
+        if not info.format.quantized:
+            raise UnsupportedError(f"tensor '{name}': experts in {info.format.name} are not supported yet "
+                                   f"(quantized ones are)")
+        rows = info.shape[1]
+        return stack_experts([self.matrix(name, (e * rows, (e + 1) * rows)) for e in range(n)])
 
     def no_matrix(self) -> tuple:
         return plain(NO_WEIGHTS)
