@@ -72,7 +72,7 @@ ARCH_EXTRAS = {
 # a convolution of Kc, attention every INTERVAL-th layer
 QWEN35_SSM = dict(S=64, Hk=2, Hv=4, Kc=4, interval=4)
 # a mixture of experts: X experts of F values, K used a token
-MOE = dict(X=8, K=2, F=256)
+MOE = dict(X=8, K=2, F=256, S=0)  # S: a shared expert's width (Granite 4.0-H; 0: none)
 # Granite 4.0-H's Mamba2: Hs heads (of 2E/Hs values), G groups of N states, a convolution of Kc
 MAMBA2_SSM = dict(N=64, G=2, Hs=8, Kc=4)
 # LFM2's: a short convolution of LFM2_CONV; LFM2's and Granite 4.0-H's attention on the layers
@@ -104,6 +104,7 @@ class SyntheticModel:
         self.rope_dims, self.extra_tensors, self.vocab = rope_dims, extra_tensors or {}, vocab
         self.ssm = dict(MAMBA2_SSM if arch == "granitehybrid" else QWEN35_SSM, **(ssm or {}))
         self.moe = dict(MOE, **(moe or {}))
+        self.has_experts = arch == "qwen3moe" or moe is not None
         self.rng = np.random.default_rng(seed)
         self.tensors: dict[str, tuple[np.ndarray, str, tuple]] = {}
         self.values: dict[str, np.ndarray] = {}
@@ -273,14 +274,27 @@ class SyntheticModel:
                     ("ssm_a", (Hs, 1), -(0.5 + 1.5 * self.rng.random((Hs, 1)))),
                     ("ssm_d", (Hs, 1), 1.0 + 0.1 * self.rng.standard_normal((Hs, 1))),
                     ("ssm_norm.weight", (G, d_inner // G), 1.0 + 0.1 * self.rng.standard_normal((G, d_inner // G)))):
+                if G == 1 and name == "ssm_norm.weight":  # one group: a vector, as the converter writes it
+                    shape, values = (d_inner,), values.reshape(d_inner)
                 values = values.astype(np.float32)
                 self.tensors[p + name], self.values[p + name] = (values, "F32", shape), values
             self.add_bias(p + "ssm_conv1d.bias", channels)
             self.add_bias(p + "ssm_dt.bias", Hs)
         self.add_norm(p + "ffn_norm.weight", E)
-        self.add(p + "ffn_gate.weight", F, E)
-        self.add(p + "ffn_up.weight", F, E)
-        self.add(p + "ffn_down.weight", E, F)
+        if not self.has_experts:
+            self.add(p + "ffn_gate.weight", F, E)
+            self.add(p + "ffn_up.weight", F, E)
+            self.add(p + "ffn_down.weight", E, F)
+            return
+        X, S = self.moe["X"], self.moe["S"]  # experts n_ff wide, and a shared expert
+        self.add(p + "ffn_gate_inp.weight", X, E, "F32")
+        self.add_experts(p + "ffn_gate_exps.weight", X, F, E)
+        self.add_experts(p + "ffn_up_exps.weight", X, F, E)
+        self.add_experts(p + "ffn_down_exps.weight", X, E, F)
+        if S:
+            self.add(p + "ffn_gate_shexp.weight", S, E)
+            self.add(p + "ffn_up_shexp.weight", S, E)
+            self.add(p + "ffn_down_shexp.weight", E, S)
 
     def write(self, path: Path) -> Path:
         w = gguf.GGUFWriter(str(path), self.arch)
@@ -314,9 +328,13 @@ class SyntheticModel:
             w.add_uint32(f"{a}.rope.dimension_count", self.rope_dims)
         if a in ("gemma3", "gemma2"):
             w.add_uint32(f"{a}.attention.sliding_window", self.window)
-        if a == "qwen3moe":
-            for key, value in (("expert_count", self.moe["X"]), ("expert_used_count", self.moe["K"]),
-                               ("expert_feed_forward_length", self.moe["F"])):
+        if a == "qwen3moe" or (a == "granitehybrid" and self.has_experts):
+            moe = {"expert_count": self.moe["X"], "expert_used_count": self.moe["K"]}
+            if a == "qwen3moe":
+                moe["expert_feed_forward_length"] = self.moe["F"]
+            elif self.moe["S"]:
+                moe["expert_shared_feed_forward_length"] = self.moe["S"]
+            for key, value in moe.items():
                 if key not in self.keys:  # keys: another value, or None for none
                     w.add_uint32(f"{a}.{key}", value)
         if a == "qwen35":

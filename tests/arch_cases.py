@@ -89,6 +89,10 @@ CASES = {
     # 4 of 16 experts: the 32-block formats (Q4_0 repacked, Q5_1, Q8_0)
     "qwen3moe-q4_0": dict(arch="qwen3moe", fmt="Q4_0", moe=dict(X=16, K=4, F=128),
                           formats={"ffn_up_exps": "Q5_1", "ffn_down_exps": "Q8_0"}),
+    # Granite 4.0-H Tiny's shape: 2 of 8 experts (Q4_K, Q6_K down) beside a shared expert
+    "granitehybrid-moe": dict(arch="granitehybrid", fmt="Q8_0", n_layer=3, moe=dict(X=8, K=2, S=256),
+                              formats={"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q6_K"},
+                              keys={"logit_scale": 0.5, "residual_scale": 0.5, "embedding_scale": 2.0}),
     "granite": dict(arch="granite", fmt="Q4_1",
                     keys={"logit_scale": 8.0, "residual_scale": 0.22, "embedding_scale": 12.0,
                           "attention.scale": 0.0078125}),

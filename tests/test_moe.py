@@ -1,4 +1,4 @@
-"""Mixtures of experts (kernels/cpu/moe.py, arch/qwen3moe.py) wherever a model runs: the batching
+"""Mixtures of experts (kernels/cpu/moe.py; arch/qwen3moe.py, granitehybrid.py) wherever a model runs: the batching
 scheduler (each token's experts as alone), perplexity and quantization as llama.cpp's tools give
 them, and what is refused by name. The logits themselves are checked against llama.cpp in
 test_architectures.py ("qwen3moe", "qwen3moe-q4_0")."""
@@ -29,9 +29,11 @@ def model(model_path):
     return minillm.load(model_path)
 
 
-def test_the_scheduler_gives_each_request_its_tokens_alone(model):
+@pytest.mark.parametrize("case", ["qwen3moe", "granitehybrid-moe"])
+def test_the_scheduler_gives_each_request_its_tokens_alone(case, tmp_path):
     """Requests batched in one pass (their tokens routed to experts together, prompts in chunks)
-    get the tokens each gets alone."""
+    get the tokens each gets alone; Granite 4.0-H's experts beside its recurrent state too."""
+    model = minillm.load(build(case).write(tmp_path / f"{case}.gguf"))
     greedy = SamplingParams(temperature=0)
     requests = [Request([int(i) for i in np.random.default_rng(s).integers(3, 300, 5 + 20 * s)], 6,
                         greedy if s % 2 else SamplingParams(temperature=0.9, seed=s), ignore_eos=True, id=s)

@@ -17,6 +17,9 @@ MAX_LAYERS = 512
 NO_MATRIX = "no matrix"  # a layer_sources entry: a matrix slot this layer leaves empty (zero rows)
 
 
+NO_EXPERTS = "no experts"  # a layer_sources entry: an expert slot this layer leaves empty
+
+
 @dataclass(frozen=True)
 class Experts:
     """A layer_sources entry: a 3-D tensor of n matrices, one per expert (stacked, kernels/cpu/moe.py)."""

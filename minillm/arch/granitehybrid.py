@@ -1,4 +1,5 @@
-"""Granite 4.0-H (dense) and Bamba: Mamba2 layers beside attention, with Granite's multipliers
+"""Granite 4.0-H (Micro, 1B, 350M; Tiny and Small with experts) and Bamba: Mamba2 layers beside
+attention, with Granite's multipliers
 (embeddings scaled, each residual branch scaled, an attention scale, logits divided).
 
 Which layers attend: those whose attention.head_count_kv is not 0 (as LFM2's). Both kinds run
@@ -9,7 +10,8 @@ one compiled function, their tensors in the same slots:
                 out = ssm_out (group RMS norm(y * SiLU(z)) * ssm_norm)
     attention:  q, k, v (optional biases); RoPE (normal pairs) only where rope.scaling.finetuned
                 is true (Bamba; Granite 4.0-H has none); out = attn_output (+ bias)
-    each        x += out * residual scale; x += FFN(ffn_norm(x)) * residual scale (SwiGLU)
+    each        x += out * residual scale; x += FFN(ffn_norm(x)) * residual scale (SwiGLU), or with
+                experts (Tiny, Small): a softmax-routed mixture plus the shared expert's SwiGLU
 """
 from __future__ import annotations
 
@@ -18,18 +20,19 @@ import numpy as np
 
 from ..errors import ModelError
 from ..kernels.cpu import layers as cpu_layers
-from .base import NO_MATRIX, inv_sqrt
+from .base import NO_EXPERTS, NO_MATRIX, Experts, inv_sqrt
 from .lfm2 import Lfm2
 
 ops = cpu_layers  # the backend operations the layer is written in (see llama.py)
 
 
 def mamba_hybrid_layer_ops(x, w, positions, kv, out_from, rope_table, eps, n_head, n_head_kv, head_dim, rope_dims,
-                           kq_scale, residual_scale, recurrent, n_group, state_size):
+                           kq_scale, residual_scale, recurrent, n_group, state_size, n_used, has_ffn):
     """x (T, E) -> (T - out_from, E); w: the layer's tensors in GraniteHybrid.layer_order; kv:
     (KV view, the sequences' conv states (n_seq, Kc-1, C) and SSM states (n_seq, Hs, P, N), each
-    row's sequence (T,))."""
-    attn_norm, ffn_norm, wg, wu, wd, m0, m1, m2, m3, v0, v1, v2, v3, a0, a1, a2, a3 = w
+    row's sequence (T,)). n_used > 0: a mixture of experts (router, stacked experts) beside the
+    FFN slots' shared expert (has_ffn: the file has one)."""
+    attn_norm, ffn_norm, wg, wu, wd, m0, m1, m2, m3, v0, v1, v2, v3, a0, a1, a2, a3, router, ge, ue, de = w
     kv_view, conv_states, ssm_states, row_seq = kv
     h = ops.norm(x, attn_norm, eps)
     if recurrent:  # m0, m1: ssm_in, ssm_out; v0, v1: conv and dt biases; a0..a3: conv weights, A, D, norm
@@ -43,8 +46,15 @@ def mamba_hybrid_layer_ops(x, w, positions, kv, out_from, rope_table, eps, n_hea
                                np.float32(0.0), n_head, n_head_kv, head_dim, rope_dims, False)
         out = ops.add_bias(ops.linear(m3, attn), v3)
     x = ops.add(x[out_from:], ops.scaled(out, residual_scale)[out_from:])
-    gate, up = ops.linear2(wg, wu, ops.norm(x, ffn_norm, eps))
-    return ops.add(x, ops.scaled(ops.linear(wd, ops.swiglu(gate, up)), residual_scale))
+    h = ops.norm(x, ffn_norm, eps)
+    if n_used == 0:
+        gate, up = ops.linear2(wg, wu, h)
+        return ops.add(x, ops.scaled(ops.linear(wd, ops.swiglu(gate, up)), residual_scale))
+    ffn = ops.moe_ffn(h, router, ge, ue, de, n_used, True, np.float32(0.0))
+    if has_ffn:  # the shared expert, added after the experts
+        gate, up = ops.linear2(wg, wu, h)
+        ffn = ops.add(ffn, ops.linear(wd, ops.swiglu(gate, up)))
+    return ops.add(x, ops.scaled(ffn, residual_scale))
 
 
 mamba_hybrid_layer = nb.njit(cache=True, nogil=True)(mamba_hybrid_layer_ops)
@@ -65,12 +75,14 @@ class GraniteHybrid(Lfm2):
     # their values as they are (flattened), not packed for products
     array_tensors = ("ssm_conv1d.weight", "ssm_a", "ssm_d", "ssm_norm.weight")
     layer_order = ("attn_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "m0", "m1", "m2", "m3",
-                   "v0", "v1", "v2", "v3", "a0", "a1", "a2", "a3")
+                   "v0", "v1", "v2", "v3", "a0", "a1", "a2", "a3", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps",
+                   "ffn_down_exps")
     handled_keys = frozenset({
         "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
         "attention.scale", "embedding_scale", "residual_scale", "logit_scale",
-        # the shared MLP's width: with no experts (expert_count 0) the shared MLP is the FFN
-        "expert_shared_feed_forward_length"})
+        # experts (Granite 4.0-H Tiny, Small) and the shared expert's width; with no experts
+        # (expert_count 0) the shared MLP is the FFN
+        "expert_count", "expert_used_count", "expert_shared_feed_forward_length"})
 
     def read_hparams(self):
         hp = super(Lfm2, self).read_hparams()
@@ -92,6 +104,9 @@ class GraniteHybrid(Lfm2):
         self.logit_scale = m.float("logit_scale", 0.0, 1e6, default=0.0)
         self.residual_scale = m.float("residual_scale", 0.0, 1e6, default=0.0) or 1.0
         self.embedding_scale = m.float("embedding_scale", 0.0, 1e6, default=0.0)
+        self.n_expert = m.int("expert_count", 0, 512, default=0)
+        self.n_expert_used = m.int("expert_used_count", 1 if self.n_expert else 0, self.n_expert, default=0)
+        self.n_ff_shared = m.int("expert_shared_feed_forward_length", 0, 1 << 20, default=0) if self.n_expert else 0
         return hp
 
     def rope_factor_names(self, kind):
@@ -100,17 +115,32 @@ class GraniteHybrid(Lfm2):
     # -- tensors ---------------------------------------------------------------------
     def layer_tensors(self, il):
         hp = self.hp
-        E, F = hp.n_embd, hp.n_ff
-        shapes = {"attn_norm": (E,), "ffn_norm": (E,), "ffn_gate": (E, F), "ffn_up": (E, F), "ffn_down": (F, E)}
+        E, F, X, S = hp.n_embd, hp.n_ff, self.n_expert, self.n_ff_shared
+        shapes = {"attn_norm": (E,), "ffn_norm": (E,)}
+        if not X:
+            shapes.update({"ffn_gate": (E, F), "ffn_up": (E, F), "ffn_down": (F, E)})
+        else:  # the experts are feed_forward_length wide
+            shapes.update({"ffn_gate_inp": (E, X), "ffn_gate_exps": (E, F, X), "ffn_up_exps": (E, F, X),
+                           "ffn_down_exps": (F, E, X)})
+            if S:
+                shapes.update({"ffn_gate_shexp": (E, S), "ffn_up_shexp": (E, S), "ffn_down_shexp": (S, E)})
         if self.recurrent[il]:
             G, N, Hs, d_inner = self.n_group, self.state_size, self.n_ssm_heads, self.d_inner
             shapes.update({"ssm_in": (E, 2 * d_inner + 2 * G * N + Hs), "ssm_out": (d_inner, E),
-                           "ssm_conv1d": (self.conv_kernel, d_inner + 2 * G * N), "ssm_norm": (d_inner // G, G)})
+                           "ssm_conv1d": (self.conv_kernel, d_inner + 2 * G * N), "ssm_norm": self.norm_shape(il)})
         else:
             q_dim, kv_dim = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
             shapes.update({"attn_q": (E, q_dim), "attn_k": (E, kv_dim), "attn_v": (E, kv_dim),
                            "attn_output": (q_dim, E)})
         return shapes
+
+    def norm_shape(self, il: int) -> tuple:
+        """ssm_norm's shape: (d_inner / G, G), or with one group as the converter writes it,
+        (d_inner,) (llama.cpp takes either)."""
+        info = self.gguf.tensors.get(f"blk.{il}.ssm_norm.weight")
+        if self.n_group == 1 and info is not None and len(info.shape) == 1:
+            return (self.d_inner,)
+        return (self.d_inner // self.n_group, self.n_group)
 
     def optional_layer_tensors(self, il):
         """Names after 'blk.N.': the Mamba2 layers' vectors (checked present in check_tensors:
@@ -140,7 +170,11 @@ class GraniteHybrid(Lfm2):
     def layer_sources(self, il):
         """Per layer_order entry: the FFN's tensors, then the kind's own in the mixer's slots
         (NO_MATRIX / None: a slot this kind leaves empty, or an optional bias the file lacks)."""
-        common = [(f"blk.{il}.{name}.weight", None) for name in self.layer_order[:5]]
+        ffn = ("ffn_gate", "ffn_up", "ffn_down") if not self.n_expert else ("ffn_gate_shexp", "ffn_up_shexp",
+                                                                             "ffn_down_shexp")
+        common = [(f"blk.{il}.{name}.weight", None) for name in ("attn_norm", "ffn_norm")]
+        common += [(f"blk.{il}.{name}.weight", None) if not self.n_expert or self.n_ff_shared else NO_MATRIX
+                   for name in ffn]
         slots = _MAMBA_SLOTS if self.recurrent[il] else _ATTENTION_SLOTS
         mixer = []
         for at, entry in enumerate(slots):
@@ -149,7 +183,11 @@ class GraniteHybrid(Lfm2):
                 mixer.append((name, None))
             else:
                 mixer.append(NO_MATRIX if at < N_MATRICES else None)
-        return common + mixer
+        if not self.n_expert:
+            return common + mixer + [NO_MATRIX] + [NO_EXPERTS] * 3
+        return common + mixer + [(f"blk.{il}.ffn_gate_inp.weight", None)] + [
+            Experts(f"blk.{il}.{name}.weight", self.n_expert) for name in ("ffn_gate_exps", "ffn_up_exps",
+                                                                           "ffn_down_exps")]
 
     def features(self):
         out = super(Lfm2, self).features()
@@ -159,7 +197,13 @@ class GraniteHybrid(Lfm2):
                    f"attention {self.attn_scale:g}, logits 1/{self.logit_scale or 1:g}")
         if not self.use_rope:
             out.append("no RoPE")
+        if self.n_expert:
+            out.append(f"mixture of experts: {self.n_expert_used} of {self.n_expert} experts"
+                       + (f", a shared expert of {self.n_ff_shared}" if self.n_ff_shared else ""))
         return out
+
+    def cpu_only(self):
+        return "recurrent layers beside attention"
 
     # -- the forward loop's questions ----------------------------------------------
     def recurrent_shapes(self):
@@ -180,4 +224,5 @@ class GraniteHybrid(Lfm2):
         hp = self.hp
         return (tables, np.float32(hp.rms_eps), hp.n_head, hp.n_head_kv, hp.head_dim,
                 hp.rope_dims if self.use_rope else 0, np.float32(self.attn_scale), np.float32(self.residual_scale),
-                self.recurrent[il], self.n_group, self.state_size)
+                self.recurrent[il], self.n_group, self.state_size, self.n_expert_used,
+                not self.n_expert or self.n_ff_shared > 0)

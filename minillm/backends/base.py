@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arch.base import NO_MATRIX, Experts
+from ..arch.base import NO_EXPERTS, NO_MATRIX, Experts
 from ..errors import MinillmError
 
 NO_VECTOR = np.zeros(0, np.float32)  # an optional vector (a bias, a norm) the file lacks
@@ -72,6 +72,8 @@ class Backend:
                     layer.append(self.no_matrix())
                 elif isinstance(source, Experts):
                     layer.append(self.experts(source.name, source.n))
+                elif source is NO_EXPERTS:
+                    layer.append(self.experts(None, 0))
                 elif len(arch.gguf.tensors[source[0]].shape) == 1:
                     layer.append(self.vector(source[0]))
                 elif source[0].endswith(arch.array_tensors):

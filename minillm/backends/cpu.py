@@ -9,7 +9,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from ..arch.base import NO_MATRIX, Experts
+from ..arch.base import NO_EXPERTS, NO_MATRIX, Experts
 from ..kernels.cpu import ops
 from ..kernels.cpu.attention_fns import attention_fn, attention_fn_cached
 from ..kernels.cpu.layers import NO_PAGING, NO_WEIGHTS, KVView, linear, plain
@@ -53,7 +53,7 @@ class CpuBackend(Backend):
         gguf = arch.gguf
         output = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
         sources = [(output, None)] + [source for il in range(arch.hp.n_layer) for source in arch.layer_sources(il)
-                                      if source is not None and source is not NO_MATRIX]
+                                      if source is not None and source is not NO_MATRIX and source is not NO_EXPERTS]
         # an expert tensor: matrices of its middle dimension's rows
         sources = [(s.name, (0, gguf.tensors[s.name].shape[1])) if isinstance(s, Experts) else s for s in sources]
         infos = [(gguf.tensors[name], rows) for name, rows in sources if not name.endswith(arch.array_tensors)]
@@ -74,8 +74,11 @@ class CpuBackend(Backend):
         gguf.release_pages(name)
         return plain(matrix.packed)
 
-    def experts(self, name: str, n: int) -> tuple:
-        """The n expert matrices of a 3-D tensor (K, F, n), stacked (weights.stack_experts)."""
+    def experts(self, name: str | None, n: int) -> tuple:
+        """The n expert matrices of a 3-D tensor (K, F, n), stacked (weights.stack_experts);
+        name None: an empty slot of the same types."""
+        if name is None:
+            return stack_experts([plain(NO_WEIGHTS)])
         info = self.arch.gguf.tensors[name]
         if not info.format.quantized:
             raise UnsupportedError(f"tensor '{name}': experts in {info.format.name} are not supported yet "

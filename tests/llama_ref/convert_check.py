@@ -78,6 +78,12 @@ MODELS = {
     "qwen3moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
                                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                                         tie_word_embeddings=True), ["Q8_0", "Q4_K_M", "Q4_0"]),
+    # Granite 4.0-H Tiny's shape: 2 of 8 experts of 512 beside a shared expert of 256
+    "granitehybrid-moe": ("GraniteMoeHybridConfig", dict(
+        num_hidden_layers=3, layer_types=["mamba", "mamba", "attention"], num_local_experts=8, num_experts_per_tok=2,
+        shared_intermediate_size=256, position_embedding_type="nope", mamba_n_heads=8, mamba_n_groups=1,
+        mamba_d_state=64, mamba_d_conv=4, mamba_expand=2, embedding_multiplier=2.0, residual_multiplier=0.5,
+        attention_multiplier=0.0078125, logits_scaling=0.5, tie_word_embeddings=True), ["Q8_0", "Q4_K_M"]),
     "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
                                       logits_scaling=8.0, tie_word_embeddings=True), ["Q8_0", "Q5_K_M"]),
 }
@@ -85,7 +91,8 @@ MODELS = {
 CONVERT_ARGS = {"qwen35": ["--no-mtp"]}
 # config.json as the published models have it: transformers 5 writes Granite's layer types under
 # its own names, which llama.cpp's converter does not read
-LAYER_TYPE_NAMES = {"granitehybrid": {"linear_attention": "mamba", "full_attention": "attention"}}
+LAYER_TYPE_NAMES = {name: {"linear_attention": "mamba", "full_attention": "attention"}
+                    for name in ("granitehybrid", "granitehybrid-moe")}
 N_PROMPT, N_DECODE = 70, 10
 
 
