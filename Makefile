@@ -7,14 +7,15 @@ DEFAULT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 .PHONY: install install-dev models test test-fast bench bench-serve bench-speculative run gpu-check gpu-parts clean
 
-# what a user runs (the CLI and its server), with every CPU kernel compiled ahead
+# what a user runs (the CLI and its server), with the common architectures' CPU kernels compiled
+# ahead (the others' compile on a model's first use)
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[server]'
-	$(PY) -m minillm warm --all
+	$(PY) -m minillm warm --all --common
 	touch $@
 
 # and what the tests and gpu-check need besides: pytest, OpenAI's client, numba-cuda, Ray Serve

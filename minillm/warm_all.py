@@ -32,10 +32,17 @@ LAYER_MODELS = {
 }
 # task -> the tasks it waits for, in the order they start. On two cores: attention beside the
 # lanes products; the llama layer (with the operations and wrappers every layer shares) beside
-# the K-quant products; then the other layers.
+# the K-quant products; then the other layers, each after those whose kernels it shares (so
+# that no two processes compile the same function): LFM2's and Granite 4.0-H's convolution is
+# Qwen3.5's, Granite 4.0-H's experts Qwen3 MoE's.
 TASKS = {"attention": (), "lanes products": (), "llama": (), "k-quant products": (), "qwen35": ("llama",),
-         "gemma": ("llama",), "lfm2": ("llama",), "granitehybrid": ("llama",), "mistral3": ("llama",),
-         "qwen3moe": ("llama",)}
+         "gemma": ("llama",), "qwen3moe": ("llama",), "mistral3": ("llama",), "lfm2": ("qwen35",),
+         "granitehybrid": ("qwen35", "qwen3moe")}
+
+
+# what `make install` compiles (warm --all --common): the kernels of the architectures most
+# models people run have; the others' compile on a model's first use (or with warm --all)
+CORE_TASKS = ("attention", "lanes products", "llama", "k-quant products", "qwen35", "gemma")
 
 
 def run_task(name: str) -> None:
@@ -62,13 +69,14 @@ def run_task(name: str) -> None:
         Model(path, threads=None, device="cpu").warm_up()
 
 
-def warm_all(log) -> float:
-    """Run every task, as many at once as there are cores, each in a process of its own, a task
-    once those it waits for are done; log(line) as each ends. Seconds taken. A task that fails
-    is logged and the others go on (what it did not compile compiles on first use)."""
+def warm_all(log, tasks=tuple(TASKS)) -> float:
+    """Run these tasks (every one by default), as many at once as there are cores, each in a
+    process of its own, a task once those it waits for are done (those outside `tasks` count as
+    done); log(line) as each ends. Seconds taken. A task that fails is logged and the others go
+    on (what it did not compile compiles on first use)."""
     start = time.perf_counter()
     slots = max(1, os.cpu_count() or 1)
-    waiting, running, done = list(TASKS), {}, set()
+    waiting, running, done = [t for t in TASKS if t in tasks], {}, set(TASKS) - set(tasks)
     while waiting or running:
         ready = [t for t in waiting if set(TASKS[t]) <= done]
         while ready and len(running) < slots:
@@ -103,3 +111,4 @@ def _wait_any(running: dict) -> str:
             if proc.poll() is not None:
                 return task
         time.sleep(0.05)
+

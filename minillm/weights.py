@@ -76,8 +76,9 @@ class ProductsElsewhere:
     while this one compiles the layer: two cores, two compilers. `join` waits for it; whatever
     it did not finish (it failed, or was killed) compiles here when its matrices get their
     addresses. It ends with this process (Linux's parent-death signal).
-    siblings=True: other processes compile them already (`warm --all`'s tasks); `join` waits
-    until they are in the cache (at most SIBLINGS_SECONDS)."""
+    siblings=True: other processes compile the quantized products and attention already
+    (`warm --all`'s tasks); `join` waits until they are in the cache (at most SIBLINGS_SECONDS).
+    The float products (a Qwen3 MoE router's F32), which no sibling compiles, compile here."""
 
     SIBLINGS_SECONDS = 300
 
@@ -85,7 +86,7 @@ class ProductsElsewhere:
         quantized, float_formats = product_kinds(shapes)
         self.process = None
         if siblings:
-            self.ready = lambda: products_ready(quantized, float_formats) and attention_fn_cached(cache_dtype)
+            self.ready = lambda: products_ready(quantized, float_formats & {None}) and attention_fn_cached(cache_dtype)
             return
         code = ("import ctypes, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "  # PR_SET_PDEATHSIG
                 "from minillm.weights import compile_products; "

@@ -24,8 +24,9 @@ def warm_command(
     threads: Optional[int] = THREADS,
     cache_type_k: str = CACHE_TYPE_K,
     cache_type_v: str = CACHE_TYPE_V,
-    every: bool = typer.Option(False, "--all", help="Compile every architecture's kernels (no MODEL): what "
-                               "`make install` runs."),
+    every: bool = typer.Option(False, "--all", help="Compile every architecture's kernels (no MODEL)."),
+    common: bool = typer.Option(False, "--common", help="With --all: only the common architectures' kernels "
+                                "(what `make install` runs; the others compile on a model's first use)."),
 ) -> None:
     """Compile the kernels a model needs ahead of its first run (for images and CI)."""
     from ..errors import MinillmError
@@ -33,11 +34,17 @@ def warm_command(
 
     if every == (model is not None):
         raise typer.BadParameter("give a MODEL or --all")
+    if common and not every:
+        raise typer.BadParameter("--common goes with --all")
     if every:
-        from ..warm_all import warm_all
+        from ..warm_all import CORE_TASKS, TASKS, warm_all
 
+        if common:
+            err("Compiling the common architectures' kernels for this machine (once)...")
+            err(f"ready: the common architectures' kernels in {warm_all(err, CORE_TASKS):.0f} s")
+            return
         err("Compiling every architecture's kernels for this machine (once)...")
-        err(f"ready: every architecture's kernels in {warm_all(err):.0f} s")
+        err(f"ready: every architecture's kernels in {warm_all(err, tuple(TASKS)):.0f} s")
         return
     start = time.perf_counter()
     m = Model(model, threads=threads, device="cpu", cache_types=(cache_type_k, cache_type_v), on_compile=compile_notice)
