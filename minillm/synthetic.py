@@ -85,6 +85,11 @@ def lfm2_is_attention(il: int) -> bool:
     return il % 3 == 2
 
 
+# the architectures whose layers SyntheticModel writes with a method of their own
+OWN_LAYERS = {"qwen35": "add_qwen35_layer", "lfm2": "add_lfm2_layer", "granitehybrid": "add_mamba2_layer",
+              "qwen3moe": "add_moe_layer"}
+
+
 class SyntheticModel:
     """Writes a tiny model and keeps every tensor's float values for the reference.
 
@@ -142,17 +147,8 @@ class SyntheticModel:
             self.tensors[name] = (np.asarray(values, np.float32), "F32", (len(values),))
         for il in range(self.n_layer):
             p = f"blk.{il}."
-            if self.arch == "qwen35":
-                self.add_qwen35_layer(il)
-                continue
-            if self.arch == "lfm2":
-                self.add_lfm2_layer(il)
-                continue
-            if self.arch == "granitehybrid":
-                self.add_mamba2_layer(il)
-                continue
-            if self.arch == "qwen3moe":
-                self.add_moe_layer(il)
+            if self.arch in OWN_LAYERS:
+                getattr(self, OWN_LAYERS[self.arch])(il)
                 continue
             self.add_norm(p + "attn_norm.weight", E)
             if FUSED_QKV in extras:
@@ -176,6 +172,17 @@ class SyntheticModel:
                     self.add_norm(p + extra + ".weight", D if extra.startswith(("attn_q", "attn_k")) else E)
         return self
 
+    def add_attention(self, p: str, q_rows: int, qk_norms: bool) -> None:
+        """Layer p's q (q_rows), k, v and output matrices, then its q/k head norms where qk_norms."""
+        E, D = self.n_embd, self.head_dim
+        self.add(p + "attn_q.weight", q_rows, E)
+        self.add(p + "attn_k.weight", self.n_head_kv * D, E)
+        self.add(p + "attn_v.weight", self.n_head_kv * D, E)
+        self.add(p + "attn_output.weight", E, self.n_head * D)
+        if qk_norms:
+            self.add_norm(p + "attn_q_norm.weight", D)
+            self.add_norm(p + "attn_k_norm.weight", D)
+
     def add_qwen35_layer(self, il: int) -> None:
         """A gated delta-net layer, or every INTERVAL-th a gated attention layer; SwiGLU FFN."""
         E, F, D = self.n_embd, self.n_ff, self.head_dim
@@ -197,12 +204,7 @@ class SyntheticModel:
             self.tensors[p + "ssm_a"], self.values[p + "ssm_a"] = (a, "F32", (Hv,)), a
             self.add_norm(p + "ssm_norm.weight", S)
         else:
-            self.add(p + "attn_q.weight", 2 * self.n_head * D, E)
-            self.add(p + "attn_k.weight", self.n_head_kv * D, E)
-            self.add(p + "attn_v.weight", self.n_head_kv * D, E)
-            self.add(p + "attn_output.weight", E, self.n_head * D)
-            self.add_norm(p + "attn_q_norm.weight", D)
-            self.add_norm(p + "attn_k_norm.weight", D)
+            self.add_attention(p, 2 * self.n_head * D, qk_norms=True)
         self.add_norm(p + "post_attention_norm.weight", E)
         self.add(p + "ffn_gate.weight", F, E)
         self.add(p + "ffn_up.weight", F, E)
@@ -213,12 +215,7 @@ class SyntheticModel:
         E, F, D, p = self.n_embd, self.n_ff, self.head_dim, f"blk.{il}."
         self.add_norm(p + "attn_norm.weight", E)
         if lfm2_is_attention(il):
-            self.add(p + "attn_q.weight", self.n_head * D, E)
-            self.add(p + "attn_k.weight", self.n_head_kv * D, E)
-            self.add(p + "attn_v.weight", self.n_head_kv * D, E)
-            self.add(p + "attn_output.weight", E, self.n_head * D)
-            self.add_norm(p + "attn_q_norm.weight", D)
-            self.add_norm(p + "attn_k_norm.weight", D)
+            self.add_attention(p, self.n_head * D, qk_norms=True)
         else:
             self.add(p + "shortconv.in_proj.weight", 3 * E, E)
             self.add(p + "shortconv.out_proj.weight", E, E)
@@ -242,12 +239,7 @@ class SyntheticModel:
         E, D, p = self.n_embd, self.head_dim, f"blk.{il}."
         X, F = self.moe["X"], self.moe["F"]
         self.add_norm(p + "attn_norm.weight", E)
-        self.add(p + "attn_q.weight", self.n_head * D, E)
-        self.add(p + "attn_k.weight", self.n_head_kv * D, E)
-        self.add(p + "attn_v.weight", self.n_head_kv * D, E)
-        self.add(p + "attn_output.weight", E, self.n_head * D)
-        self.add_norm(p + "attn_q_norm.weight", D)
-        self.add_norm(p + "attn_k_norm.weight", D)
+        self.add_attention(p, self.n_head * D, qk_norms=True)
         self.add_norm(p + "ffn_norm.weight", E)
         self.add(p + "ffn_gate_inp.weight", X, E, "F32")
         self.add_experts(p + "ffn_gate_exps.weight", X, F, E)
@@ -261,10 +253,7 @@ class SyntheticModel:
         d_inner = 2 * E
         self.add_norm(p + "attn_norm.weight", E)
         if lfm2_is_attention(il):
-            self.add(p + "attn_q.weight", self.n_head * D, E)
-            self.add(p + "attn_k.weight", self.n_head_kv * D, E)
-            self.add(p + "attn_v.weight", self.n_head_kv * D, E)
-            self.add(p + "attn_output.weight", E, self.n_head * D)
+            self.add_attention(p, self.n_head * D, qk_norms=False)
         else:
             channels = d_inner + 2 * G * N
             self.add(p + "ssm_in.weight", 2 * d_inner + 2 * G * N + Hs, E)

