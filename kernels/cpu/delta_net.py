@@ -171,15 +171,19 @@ def l2_heads(x, at, n_heads, S, eps):
             _l2_row(x, t, at + h * S, S, eps_n, scale)
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def softplus(x):
+    """ggml_compute_softplus_f32: x past 20 as it is, else logf(1 + expf(x))."""
+    return x if x > np.float32(20.0) else np.float32(math.log(_ONE + np.float32(math.exp(x))))
+
+
 @nb.njit(**_SER)
 def decay_and_beta(alpha, beta, dt_bias, a):
     """g = softplus(alpha + dt_bias) * a (ggml_softplus: x past 20 as it is) and
     beta = sigmoid(beta), both (T, Hv) in place."""
     for t in range(alpha.shape[0]):
         for h in range(alpha.shape[1]):
-            x = alpha[t, h] + dt_bias[h]
-            soft = x if x > np.float32(20.0) else np.float32(math.log(_ONE + np.float32(math.exp(x))))
-            alpha[t, h] = soft * a[h]
+            alpha[t, h] = softplus(alpha[t, h] + dt_bias[h]) * a[h]
             beta[t, h] = _ONE / (_ONE + np.float32(math.exp(-beta[t, h])))
 
 

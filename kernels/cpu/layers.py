@@ -326,8 +326,9 @@ def rope_attend(q, k, v, positions, rope_table, kv, q_scale, window, kq_scale, s
 def moe_ffn(x, router, gate_exps, up_exps, down_exps, n_used, norm_w, w_scale):
     """build_moe_ffn (softmax router, SwiGLU experts): x (T, E) -> (T, E). The router's
     probabilities pick each token's n_used experts (kernels/cpu/moe.py); each expert multiplies
-    the tokens routed to it, each token as alone (mul_mat_id's arithmetic), its weights read
-    once for them; the outputs, times their weights, are added in top-k order."""
+    the tokens routed to it as one product, as mul_mat_id does (a repacked expert's views say
+    row_by_row: a token at a time), its weights read once for them; the outputs, times their
+    weights, are added in top-k order."""
     probs = moe.softmax_rows(linear(router, x))
     chosen, weights = moe.route(probs, n_used, norm_w, w_scale)
     T, E = x.shape

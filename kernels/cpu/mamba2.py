@@ -13,19 +13,12 @@ import math
 import numba as nb
 import numpy as np
 
-from .delta_net import _dot, _silu_row, causal_conv
+from .delta_net import _dot, _silu_row, causal_conv, softplus
 from .fma import fma
 from .ops import rmsnorm, swiglu
 
 _PAR = dict(parallel=True, cache=True, nogil=True)
 _SER = dict(cache=True, nogil=True)
-_ONE = np.float32(1.0)
-
-
-@nb.njit(inline="always", cache=True, nogil=True)
-def _softplus(x):
-    """ggml_compute_softplus_f32: x past 20 as it is, else logf(1 + expf(x))."""
-    return x if x > np.float32(20.0) else np.float32(math.log(_ONE + np.float32(math.exp(x))))
 
 
 @nb.njit(**_PAR)
@@ -44,7 +37,7 @@ def ssm_scan(xbc, dt, A, states, row_seq, n_group, N):
         g = h // (Hs // n_group)
         b_at, c_at = d_inner + g * N, d_inner + n_group * N + g * N
         for t in range(T):
-            soft = _softplus(dt[t, h])
+            soft = softplus(dt[t, h])
             decay = np.float32(math.exp(soft * A[h]))
             state = states[row_seq[t], h]
             for p in range(P):

@@ -14,6 +14,7 @@ import math
 import numba as nb
 import numpy as np
 
+from .attention import _reduce8
 from .ops import v_expf
 from .simd import exp_sum_rows, exp_sum_rows8
 from .target import GGML_AVX512
@@ -27,14 +28,6 @@ def expert(stacked, e):
     """Expert e's plain Weights tuple (kernels/cpu/layers.py's fields) from stacked ones."""
     return (stacked[0][e], stacked[1][e], stacked[2][e], stacked[3], stacked[4], stacked[5][e], stacked[6],
             stacked[7], stacked[8], stacked[9], stacked[10][e], stacked[11], stacked[12], stacked[13], stacked[14])
-
-
-@nb.njit(inline="always", cache=True, nogil=True)
-def _hsum8(row, at):
-    """The AVX2 hsum of 8 values ggml_vec_soft_max_f32 takes: ((4+0)+(6+2)) + ((5+1)+(7+3))."""
-    a0, a1 = row[at + 4] + row[at], row[at + 5] + row[at + 1]
-    a2, a3 = row[at + 6] + row[at + 2], row[at + 7] + row[at + 3]
-    return (a0 + a2) + (a1 + a3)
 
 
 @nb.njit(**_SER)
@@ -56,7 +49,7 @@ def softmax_rows(logits):
             if n - i >= 8:  # one more vector of 8
                 for j in range(i, i + 8):
                     row[j] = v_expf(row[j] - top)
-                total += np.float64(_hsum8(row, i))
+                total += np.float64(_reduce8(row, i))  # ggml_vec_soft_max_f32's AVX2 hsum
                 i += 8
         for j in range(i, n):
             row[j] = np.float32(math.exp(row[j] - top))

@@ -10,6 +10,7 @@ from contextlib import nullcontext
 import numpy as np
 
 from ..arch.base import NO_EXPERTS, NO_MATRIX, Experts
+from ..errors import UnsupportedError
 from ..kernels.cpu import ops
 from ..kernels.cpu.attention_fns import attention_fn, attention_fn_cached
 from ..kernels.cpu.layers import NO_PAGING, NO_WEIGHTS, KVView, linear, plain
@@ -17,7 +18,6 @@ from ..kv_cache import CACHE_TYPES, KVCache, cache_arrays
 from ..memory import keep_freed_memory, release_compiler_pages
 from ..recurrent_state import RecurrentState
 from ..threads import ThreadGovernor
-from ..errors import UnsupportedError
 from ..weights import (Matrix, ProductsElsewhere, prepare_products, product_kinds, products_ready, row_by_row,
                        stack_experts, with_products)
 from .base import Backend
